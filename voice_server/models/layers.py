@@ -1,0 +1,202 @@
+"""Building blocks shared by every decoder in `voice_server.models`.
+
+Models take an explicit `KVCache` argument and never loop over generation steps themselves:
+a runner drives them one step at a time (the AR scheduling issue swaps this contiguous cache
+for a paged one behind the same `update` contract).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in fp32 and scale after casting back, as the HF Qwen/Llama norms do;
+        # the order matters for bf16 parity.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class SwiGLU(nn.Module):
+    """Gated MLP (`down(silu(gate(x)) * up(x))`), the dense FFN of Llama/Qwen."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """Inverse frequencies of the default (non-scaled) RoPE, fp32, shape [head_dim // 2]."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
+def rope_cos_sin(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [..., head_dim] from angles `freqs` [..., head_dim // 2] (HF half-split layout)."""
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Angles [B, L, head_dim // 2] for integer positions [B, L]; computed in fp32."""
+    return positions.to(torch.float32)[..., None] * inv_freq.to(positions.device)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, H, L, D] by cos/sin [B, L, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache and attention
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for one batch, each [B, num_kv_heads, seq_len, head_dim].
+
+    Grown by concatenation. Invariant: all layers hold the same `seq_len` between forward calls.
+    """
+
+    num_layers: int
+    keys: list[torch.Tensor | None] = field(default_factory=list)
+    values: list[torch.Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.keys:
+            self.keys = [None] * self.num_layers
+            self.values = [None] * self.num_layers
+
+    @property
+    def seq_len(self) -> int:
+        k = self.keys[0]
+        return 0 if k is None else int(k.shape[2])
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this step's k/v for one layer; return the layer's full k/v."""
+        past_k, past_v = self.keys[layer_idx], self.values[layer_idx]
+        if past_k is not None and past_v is not None:
+            k = torch.cat((past_k, k), dim=2)
+            v = torch.cat((past_v, v), dim=2)
+        self.keys[layer_idx], self.values[layer_idx] = k, v
+        return k, v
+
+
+def causal_mask(
+    q_len: int, kv_len: int, device: torch.device, sliding_window: int | None = None
+) -> torch.Tensor:
+    """Boolean mask [q_len, kv_len], True where query i (absolute position kv_len - q_len + i) may
+    attend key j: j <= i_abs and, with a window, i_abs - j < sliding_window (the HF convention)."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask = mask & (q_pos - k_pos < sliding_window)
+    return mask
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention for q [B, Hq, Lq, D] over k/v [B, Hkv, Lk, D] (GQA: Hq a multiple of Hkv).
+
+    `mask` is boolean (True = attend), broadcastable to [B, Hq, Lq, Lk].
+    """
+    num_groups = q.shape[1] // k.shape[1]
+    if num_groups > 1:
+        k = k.repeat_interleave(num_groups, dim=1)
+        v = v.repeat_interleave(num_groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+class Attention(nn.Module):
+    """Multi-head attention with GQA, optional q/k RMSNorm (Qwen3) and optional qkv bias (Qwen2).
+
+    `forward` takes precomputed rotary cos/sin so the caller chooses the RoPE flavour (plain,
+    multimodal/interleaved, or none).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.sliding_window = sliding_window
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        kv_cache: KVCache | None = None,
+        layer_idx: int = 0,
+        extra_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, L, hidden]; `extra_mask` (bool [B, 1, L, Lk], True = attend) is ANDed with the
+        causal mask, e.g. for left padding in a batch."""
+        bsz, q_len, _ = x.shape
+        q = self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cos is not None and sin is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(layer_idx, k, v)
+        mask = causal_mask(q_len, k.shape[2], x.device, self.sliding_window)
+        if extra_mask is not None:
+            mask = mask & extra_mask
+        out = sdpa(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
