@@ -1,0 +1,107 @@
+"""The numeric test pipeline end to end: real stage processes, ZMQ sockets and shared memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import Pipeline
+
+from voice_server.engine.coordinator import RequestError
+
+FRAME_LEN = 4096  # configs/test_numeric.yaml; 16 KiB float32 frames travel through the relay
+
+
+def expected_frames(signal: np.ndarray) -> list[np.ndarray]:
+    return [signal[i:i + FRAME_LEN] * np.float32(2.0) + np.float32(1.0) for i in range(0, len(signal), FRAME_LEN)]
+
+
+def check_outputs(outputs: list[Any], signal: np.ndarray) -> None:
+    frames = [o for o in outputs if not o.is_final]
+    want = expected_frames(signal)
+    assert [o.payload["index"] for o in frames] == list(range(len(want)))
+    for out, ref in zip(frames, want):
+        assert out.stage == "sink"
+        np.testing.assert_array_equal(out.payload["frame"], ref)
+        assert out.payload["sum"] == pytest.approx(float(ref.sum(dtype=np.float64)))
+    assert outputs[-1].is_final and outputs[-1].payload == {"num_frames": len(want)}
+
+
+def test_streams_ordered_chunks_through_three_stages(numeric: Pipeline) -> None:
+    rng = np.random.default_rng(0)
+    signal = rng.standard_normal(FRAME_LEN * 10 + 123).astype(np.float32)
+    check_outputs(numeric.collect({"signal": signal}), signal)
+
+
+def test_small_frames_travel_inline(numeric: Pipeline) -> None:
+    signal = np.linspace(-1, 1, 100, dtype=np.float32)
+    check_outputs(numeric.collect({"signal": signal}), signal)
+
+
+def test_32_concurrent_requests_complete_with_correct_results(numeric: Pipeline) -> None:
+    rng = np.random.default_rng(1)
+    signals = [rng.standard_normal(FRAME_LEN * int(rng.integers(1, 6)) + i).astype(np.float32) for i in range(32)]
+
+    async def one(signal: np.ndarray) -> list[Any]:
+        return [o async for o in numeric.coordinator.submit({"signal": signal})]
+
+    async def all_of_them() -> list[list[Any]]:
+        return await asyncio.gather(*(one(s) for s in signals))
+
+    results = numeric.run(all_of_them())
+    for outputs, signal in zip(results, signals):
+        check_outputs(outputs, signal)
+    assert numeric.coordinator.num_inflight == 0
+
+
+def test_bad_input_fails_that_request_only(numeric: Pipeline) -> None:
+    with pytest.raises(RequestError, match="signal must be a 1-D float array"):
+        numeric.collect({"signal": "not audio"})
+    with pytest.raises(RequestError, match="framer"):
+        numeric.collect({"signal": np.zeros((2, 2), np.float32)})
+    signal = np.ones(FRAME_LEN + 1, np.float32)
+    check_outputs(numeric.collect({"signal": signal}), signal)
+
+
+def test_abort_stops_every_stage_within_100ms_and_frees_relay_slots(numeric: Pipeline) -> None:
+    signal = np.ones(FRAME_LEN * 200, np.float32)
+    coordinator = numeric.coordinator
+
+    async def scenario() -> tuple[float, dict[str, Any], int]:
+        stream = coordinator.submit({"signal": signal}, {"chunk_delay_ms": 10})
+        await stream.__anext__()
+        await stream.__anext__()
+        t0 = time.monotonic()
+        assert await coordinator.abort(stream.request_id)
+        await asyncio.sleep(0.1)
+        stats = await coordinator.stats()
+        tail = [o async for o in stream]  # the stream ends quietly after an abort
+        return time.monotonic() - t0, stats, len(tail)
+
+    elapsed, stats, num_tail = numeric.run(scenario())
+    assert num_tail == 0
+    assert elapsed < 0.5
+    assert set(stats) == {"framer", "transform", "sink"}
+    for reply in stats.values():
+        assert all(ids == [] for ids in reply.active.values()), reply
+        assert reply.num_live_slots == 0, reply
+    assert coordinator.slab.num_live_slots == 0
+    # The pipeline still serves after the abort.
+    small = np.ones(10, np.float32)
+    check_outputs(numeric.collect({"signal": small}), small)
+
+
+def test_client_leaving_early_aborts_the_request(numeric: Pipeline) -> None:
+    async def scenario() -> dict[str, Any]:
+        stream = numeric.coordinator.submit({"signal": np.ones(FRAME_LEN * 100, np.float32)}, {"chunk_delay_ms": 5})
+        await stream.__anext__()
+        await stream.aclose()
+        await asyncio.sleep(0.1)
+        return await numeric.coordinator.stats()
+
+    stats = numeric.run(scenario())
+    assert all(ids == [] for r in stats.values() for ids in r.active.values())
+    assert numeric.coordinator.num_inflight == 0

@@ -1,0 +1,62 @@
+"""Test harness: a coordinator with real stage processes, driven from a loop thread.
+
+The coordinator lives on an asyncio loop in a background thread so a module can share one
+pipeline across tests while each test calls into it synchronously with `run(coro)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from voice_server.config import PipelineConfig
+from voice_server.engine.coordinator import Coordinator
+
+T = TypeVar("T")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+class LoopThread:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+class Pipeline:
+    """A started coordinator plus the loop it runs on."""
+
+    def __init__(self, cfg: PipelineConfig) -> None:
+        self.lt = LoopThread()
+        self.coordinator = Coordinator(cfg)
+        self.lt.run(self.coordinator.start())
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return self.lt.run(coro, timeout)
+
+    def collect(self, payload: dict[str, Any], params: dict[str, Any] | None = None) -> list[Any]:
+        async def go() -> list[Any]:
+            return [o async for o in self.coordinator.submit(payload, params)]
+
+        return self.run(go())
+
+    def close(self) -> None:
+        self.lt.run(self.coordinator.stop())
+        self.lt.close()
+
+
+def shm_segments(launch_id: str) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")]
+
+

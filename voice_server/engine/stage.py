@@ -1,0 +1,280 @@
+"""The stage process shell: the same I/O loop for every stage, whatever its scheduler or model.
+
+It drains the broadcast socket (aborts first) and the inbox, feeds the schedulers, runs
+`schedule -> execute -> update`, and routes what comes out: stream chunks to `stream_to` stages,
+results to `next`, terminal outputs and errors to the coordinator. It never branches on the
+scheduler type.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+import traceback
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from voice_server.config import PipelineConfig
+from voice_server.engine import ipc
+from voice_server.engine.messages import (
+    Abort,
+    Ack,
+    Codec,
+    Failure,
+    Message,
+    MessageError,
+    NewRequest,
+    Output,
+    PeerDown,
+    Probe,
+    Ready,
+    StartupFailed,
+    StatsQuery,
+    StatsReply,
+    StreamChunk,
+    StreamDone,
+)
+from voice_server.engine.runtime import StageContext, StageRuntime, create_compute, create_scheduler
+from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
+from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
+
+log = logging.getLogger("voice_server.stage")
+_IDLE_POLL_MS = 100
+_MAX_DRAIN = 256
+_NUM_ABORTED_KEPT = 4096
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    launch_id: str
+    process: str
+    generation: int
+    pipeline: PipelineConfig
+    budgets: dict[str, int | None]
+
+
+def run_stage_process(spec: ProcessSpec) -> None:
+    """Entry point of a spawned stage process."""
+    # NOTE: Ctrl-C reaches the whole process group; the server shuts stages down in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ipc.die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
+    shell = StageShell(spec)
+    signal.signal(signal.SIGTERM, lambda *_: shell.stop())
+    try:
+        shell.run()
+    finally:
+        shell.close()
+
+
+class StageShell:
+    def __init__(self, spec: ProcessSpec) -> None:
+        self.spec = spec
+        self.cfg = spec.pipeline
+        self.owner = ipc.relay_owner(spec.process, spec.generation)
+        self.is_running = True
+        self._parent_pid = os.getppid()
+        self.ctx = zmq.Context()
+        self.inbox = ipc.configure(self.ctx.socket(zmq.PULL))
+        self.inbox.bind(ipc.inbox_address(spec.launch_id, spec.process))
+        self.sub = ipc.configure(self.ctx.socket(zmq.SUB))
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(ipc.broadcast_address(spec.launch_id))
+        self._peers: dict[str, zmq.Socket] = {}
+        self.slab = ShmSlab(spec.launch_id, self.owner, self.cfg.relay_slab_bytes)
+        self.reader = ShmReader()
+        self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes, as_torch=False)
+        self.stages: dict[str, StageRuntime] = {}
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.is_running = False
+
+    def close(self) -> None:
+        self.slab.close()
+        self.reader.close()
+        self.ctx.destroy(linger=0)
+
+    def run(self) -> None:
+        try:
+            for stage in self.cfg.processes[self.spec.process]:
+                ctx = StageContext(stage, self.cfg, self.spec.budgets.get(stage.name), self.spec.launch_id)
+                self.stages[stage.name] = StageRuntime(stage, create_scheduler(stage), create_compute(ctx))
+        except Exception as exc:
+            log.exception("startup failed")
+            self._send(ipc.COORDINATOR, StartupFailed(self.spec.process, self.spec.generation, repr(exc)))
+            time.sleep(0.2)  # NOTE: give ZMQ a moment to flush before the process exits
+            return
+        if not self._await_probe():
+            return
+        self._send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid()))
+        while self.is_running:
+            self._poll_once()
+
+    def _await_probe(self) -> bool:
+        # NOTE: PUB/SUB slow joiner: aborts published before our subscription reaches the publisher
+        # would be lost, so we only report ready once a broadcast probe has arrived.
+        while self.is_running:
+            if self.sub.poll(_IDLE_POLL_MS) and isinstance(self._recv(self.sub), Probe):
+                return True
+            if os.getppid() != self._parent_pid:
+                return False
+        return False
+
+    # -- loop ------------------------------------------------------------------------------------
+
+    def _poll_once(self) -> None:
+        now = time.monotonic()
+        waits = [w for s in self.stages.values() if (w := s.scheduler.next_wakeup(now)) is not None]
+        timeout_ms = int(min(waits) * 1000) if waits else _IDLE_POLL_MS
+        poller = zmq.Poller()
+        poller.register(self.sub, zmq.POLLIN)
+        poller.register(self.inbox, zmq.POLLIN)
+        poller.poll(timeout_ms)
+        self._drain(self.sub)  # aborts before work
+        self._drain(self.inbox)
+        if os.getppid() != self._parent_pid:
+            self.is_running = False
+            return
+        for runtime in self.stages.values():
+            batch = runtime.scheduler.schedule(time.monotonic())
+            if batch is not None:
+                self._execute(runtime, batch)
+
+    def _execute(self, runtime: StageRuntime, batch: Any) -> None:
+        try:
+            result = runtime.compute.execute(batch)
+        except Exception as exc:
+            log.error("stage %s: batch failed:\n%s", runtime.cfg.name, traceback.format_exc())
+            emits = runtime.scheduler.fail(batch, f"{type(exc).__name__}: {exc}")
+        else:
+            emits = runtime.scheduler.update(batch, result)
+        for emit in emits:
+            self._route(runtime, emit)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        for _ in range(_MAX_DRAIN):
+            try:
+                data = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._dispatch(data)
+
+    def _recv(self, sock: zmq.Socket) -> Message | None:
+        try:
+            msg, refs = self.codec.decode(sock.recv())
+        except MessageError as exc:
+            log.warning("dropped a message: %s", exc)
+            return None
+        self._ack(refs)
+        return msg
+
+    def _dispatch(self, data: bytes) -> None:
+        try:
+            msg, refs = self.codec.decode(data)
+        except MessageError as exc:
+            log.warning("dropped a message: %s", exc)
+            return
+        if isinstance(msg, (NewRequest, StreamChunk, StreamDone)):
+            self._on_work(msg, refs)
+            return
+        self._ack(refs)
+        if isinstance(msg, Ack):
+            if msg.owner == self.owner:
+                self.slab.ack(msg.slot_ids)
+        elif isinstance(msg, Abort):
+            for request_id in msg.request_ids:
+                self._abort(request_id)
+        elif isinstance(msg, PeerDown):
+            self.reader.forget_owner(msg.owner)
+            self.slab.release_consumer(msg.process)
+            peer = self._peers.pop(msg.process, None)
+            if peer is not None:
+                peer.close(linger=0)  # drop what was queued for the dead process
+        elif isinstance(msg, StatsQuery):
+            active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
+            self._send(ipc.COORDINATOR, StatsReply(
+                self.spec.process, self.spec.generation, msg.nonce, active,
+                self.slab.num_live_slots, self.slab.num_used_bytes,
+            ))
+
+    def _on_work(self, msg: NewRequest | StreamChunk | StreamDone, refs: list[ShmRef]) -> None:
+        runtime = self.stages.get(msg.stage)
+        if runtime is None or msg.request_id in self._aborted:
+            self._ack(refs)
+            return
+        rid, now = msg.request_id, time.monotonic()
+        if isinstance(msg, NewRequest):
+            runtime.params[rid] = msg.params
+            item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params)
+        elif rid not in runtime.scheduler.active_request_ids:
+            self._ack(refs)  # late chunk of a request that already left this stage
+            return
+        elif isinstance(msg, StreamChunk):
+            item = WorkItem(rid, WorkKind.CHUNK, msg.payload, runtime.params.get(rid, {}), msg.seq)
+        else:
+            item = WorkItem(rid, WorkKind.DONE, {}, runtime.params.get(rid, {}), msg.num_chunks)
+        runtime.held_refs.setdefault(rid, []).extend(refs)
+        runtime.scheduler.add(item, now)
+
+    def _abort(self, request_id: str) -> None:
+        self._aborted[request_id] = None
+        if len(self._aborted) > _NUM_ABORTED_KEPT:
+            self._aborted.popitem(last=False)
+        for runtime in self.stages.values():
+            runtime.scheduler.abort(request_id)
+            self._ack(runtime.forget(request_id))
+
+    # -- output routing --------------------------------------------------------------------------
+
+    def _route(self, runtime: StageRuntime, emit: Emit) -> None:
+        stage, rid = runtime.cfg, emit.request_id
+        if emit.kind is EmitKind.ERROR:
+            self._send(ipc.COORDINATOR, Failure(rid, stage.name, emit.message))
+            self._ack(runtime.forget(rid))
+            return
+        params = runtime.params.get(rid, {})
+        sent = runtime.num_chunks_sent.setdefault(rid, {})
+        for target in stage.stream_to:
+            if target not in sent:  # open the downstream stream even if it will stay empty
+                self._send_stage(target, NewRequest(rid, target, {}, params))
+                sent[target] = 0
+            if emit.kind is EmitKind.STREAM:
+                self._send_stage(target, StreamChunk(rid, target, sent[target], emit.payload))
+                sent[target] += 1
+            else:
+                self._send_stage(target, StreamDone(rid, target, sent[target]))
+        if emit.kind is EmitKind.RESULT and stage.next is not None:
+            self._send_stage(stage.next, NewRequest(rid, stage.next, emit.payload, params))
+        if stage.terminal:
+            self._send(ipc.COORDINATOR, Output(rid, stage.name, emit.is_final, emit.payload))
+        if emit.is_final:
+            self._ack(runtime.forget(rid))
+
+    def _send_stage(self, stage: str, msg: Message) -> None:
+        self._send(self.cfg.stage(stage).process_name, msg)
+
+    def _send(self, process: str, msg: Message) -> None:
+        sock = self._peers.get(process)
+        if sock is None:
+            sock = ipc.configure(self.ctx.socket(zmq.PUSH))
+            sock.connect(ipc.inbox_address(self.spec.launch_id, process))
+            self._peers[process] = sock
+        sock.send(self.codec.encode(msg, consumer=process))
+
+    def _ack(self, refs: list[ShmRef]) -> None:
+        by_owner: dict[str, list[int]] = defaultdict(list)
+        for ref in refs:
+            by_owner[ref.owner].append(ref.slot_id)
+        for owner, slot_ids in by_owner.items():
+            if owner == self.owner:
+                self.slab.ack(slot_ids)
+            else:
+                self._send(ipc.owner_process(owner), Ack(owner, slot_ids))

@@ -1,0 +1,70 @@
+"""SimpleScheduler: get -> forward -> put, with optional batching up to `max_batch_size`.
+
+For preprocessing, encoders and other stateless-per-step stages. The compute receives a list of
+`WorkItem`s (in arrival order, so one request's chunks stay ordered) and returns one list of
+`Emit`s for the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
+
+
+class SimpleScheduler(BaseScheduler):
+    def __init__(self, max_batch_size: int, batch_window_s: float = 0.0) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        self.max_batch_size = max_batch_size
+        self.batch_window_s = batch_window_s
+        self._queue: deque[tuple[float, WorkItem]] = deque()
+        self._active: set[str] = set()
+
+    def add(self, item: WorkItem, now: float) -> None:
+        if item.kind is WorkKind.NEW:
+            self._active.add(item.request_id)
+        elif item.request_id not in self._active:
+            return  # late chunk of a request that already left (aborted or failed)
+        self._queue.append((now, item))
+
+    def abort(self, request_id: str) -> bool:
+        held = request_id in self._active
+        self._active.discard(request_id)
+        self._queue = deque(e for e in self._queue if e[1].request_id != request_id)
+        return held
+
+    def next_wakeup(self, now: float) -> float | None:
+        if not self._queue:
+            return None
+        if len(self._queue) >= self.max_batch_size:
+            return 0.0
+        return max(0.0, self._queue[0][0] + self.batch_window_s - now)
+
+    def schedule(self, now: float) -> list[WorkItem] | None:
+        wait = self.next_wakeup(now)
+        if wait is None or wait > 0:
+            return None
+        num = min(self.max_batch_size, len(self._queue))
+        return [self._queue.popleft()[1] for _ in range(num)]
+
+    def update(self, batch: list[WorkItem], result: list[Emit]) -> list[Emit]:
+        emits = []
+        for emit in result:
+            if emit.request_id not in self._active:
+                continue  # aborted while the batch ran
+            if emit.is_final:
+                self._active.discard(emit.request_id)
+                self._queue = deque(e for e in self._queue if e[1].request_id != emit.request_id)
+            emits.append(emit)
+        return emits
+
+    def fail(self, batch: list[WorkItem], message: str) -> list[Emit]:
+        failed = dict.fromkeys(item.request_id for item in batch if item.request_id in self._active)
+        for request_id in failed:
+            self.abort(request_id)
+        return [Emit(rid, EmitKind.ERROR, message=message) for rid in failed]
+
+    @property
+    def active_request_ids(self) -> set[str]:
+        return set(self._active)
