@@ -50,7 +50,7 @@ def serve(path: str, host: str, port: int, log_level: str) -> int:
     from voice_server.server.app import create_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level, ws="websockets")
+    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level)
     return 0
 
 

@@ -326,7 +326,10 @@ class Coordinator:
             self._loop.remove_reader(handle.process.sentinel)
         if self._is_stopping or generation != handle.generation:
             return
-        exitcode = handle.process.exitcode if handle.process is not None else None
+        exitcode = None
+        if handle.process is not None:
+            handle.process.join(1.0)  # NOTE: the sentinel can fire just before the child is reapable
+            exitcode = handle.process.exitcode
         if handle.state is ProcessState.STARTING:
             handle.state = ProcessState.FAILED
             handle.last_error = handle.last_error or f"exited with code {exitcode} before it was ready"

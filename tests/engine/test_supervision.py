@@ -1,0 +1,132 @@
+"""Supervision: startup failures, budget refusal before any spawn, a stage killed mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from harness import CONFIGS, LoopThread, Pipeline, shm_segments
+
+from voice_server.config import BudgetError, load_pipeline, pipeline_from_dict
+from voice_server.engine.coordinator import Coordinator, RequestError, StartupError
+
+
+def test_budget_refused_before_any_process_starts() -> None:
+    raw = {
+        "name": "greedy",
+        "stages": [
+            {"name": "a", "factory": "voice_server.stages.numeric:create_echo", "next": "b", "memory_fraction": 0.6},
+            {"name": "b", "factory": "voice_server.stages.numeric:create_echo", "terminal": True,
+             "memory_fraction": 0.5},
+        ],
+    }
+    before = set(multiprocessing.active_children())
+    with pytest.raises(BudgetError, match=r"a=0.6, b=0.5"):
+        Coordinator(pipeline_from_dict(raw))
+    assert set(multiprocessing.active_children()) == before
+
+
+def test_startup_failure_names_the_stage_and_leaves_nothing_behind() -> None:
+    raw = {
+        "name": "broken",
+        "startup_timeout_s": 30,
+        "stages": [
+            {"name": "good", "factory": "voice_server.stages.numeric:create_echo", "next": "bad"},
+            {"name": "bad", "factory": "voice_server.stages.no_such_module:create", "terminal": True},
+        ],
+    }
+    lt = LoopThread()
+    coordinator = Coordinator(pipeline_from_dict(raw))
+    try:
+        with pytest.raises(StartupError, match="stage process 'bad'.*no_such_module"):
+            lt.run(coordinator.start())
+    finally:
+        lt.close()
+    for handle in coordinator.launcher.handles.values():
+        assert handle.process is not None and not handle.process.is_alive()
+    assert shm_segments(coordinator.launch_id) == []
+
+
+def test_killed_stage_fails_its_requests_restarts_and_leaks_no_shm() -> None:
+    pipeline = Pipeline(load_pipeline(CONFIGS / "test_numeric.yaml"))
+    coordinator = pipeline.coordinator
+    try:
+        victim = coordinator.launcher.handles["transform"]
+        old_pid = victim.pid
+        assert old_pid is not None
+
+        async def scenario() -> tuple[str, list[Any]]:
+            # Large frames so the transform stage owns live relay segments when it dies.
+            stream = coordinator.submit({"signal": np.ones(4096 * 100, np.float32)}, {"chunk_delay_ms": 20})
+            received = [await stream.__anext__()]
+            os.kill(old_pid, signal.SIGKILL)
+            try:
+                async for out in stream:
+                    received.append(out)
+            except RequestError as exc:
+                return str(exc), received
+            return "", received
+
+        error, received = pipeline.run(scenario())
+        assert "stage process 'transform'" in error and "died" in error
+        assert len(received) < 100
+
+        deadline = time.monotonic() + 60
+        while not (coordinator.is_ready and victim.generation == 1):
+            assert time.monotonic() < deadline, coordinator.health()
+            time.sleep(0.05)
+        assert victim.pid != old_pid and victim.num_restarts == 1
+        dead_owner = f"vs-{coordinator.launch_id}-transform.0-"
+        assert [n for n in shm_segments(coordinator.launch_id) if n.startswith(dead_owner)] == []
+
+        signal_ok = np.arange(4096 * 3, dtype=np.float32)
+        outputs = pipeline.collect({"signal": signal_ok})
+        assert [o.payload.get("index") for o in outputs[:-1]] == [0, 1, 2]
+        np.testing.assert_array_equal(outputs[1].payload["frame"], signal_ok[4096:8192] * 2 + 1)
+
+        async def settle() -> dict[str, Any]:
+            await asyncio.sleep(0.05)
+            return await coordinator.stats()
+
+        stats = pipeline.run(settle())
+        assert all(r.num_live_slots == 0 for r in stats.values())
+    finally:
+        pipeline.close()
+    assert shm_segments(coordinator.launch_id) == []
+    for handle in coordinator.launcher.handles.values():
+        assert handle.process is not None and not handle.process.is_alive()
+
+
+def test_tensors_of_many_dtypes_round_trip_bitwise_through_the_engine() -> None:
+    raw = {"name": "echo", "stages": [
+        {"name": "echo", "factory": "voice_server.stages.numeric:create_echo", "terminal": True}]}
+    pipeline = Pipeline(pipeline_from_dict(raw))
+    rng = np.random.default_rng(7)
+    payload = {
+        "f32": rng.standard_normal((3, 5)).astype(np.float32),
+        "f16_big": rng.standard_normal((64, 300)).astype(np.float16),  # 38 KiB: relay
+        "i64": rng.integers(-(2**62), 2**62, size=(7,), dtype=np.int64),
+        "u8_big": rng.integers(0, 255, size=(1 << 20,), dtype=np.uint8),  # 1 MiB: relay
+        "bool": rng.random((4, 4)) > 0.5,
+        "empty": np.zeros((0, 3), np.float32),
+        "scalar": np.array(3.5, np.float64),
+        "strided": rng.standard_normal((64, 128)).astype(np.float32)[:, ::2],  # 32 KiB non-contiguous
+        "meta": {"text": "hello", "n": 3, "nested": [np.arange(5, dtype=np.int32)]},
+    }
+    try:
+        outputs = pipeline.collect(payload)
+    finally:
+        pipeline.close()
+    assert len(outputs) == 1 and outputs[0].is_final
+    got = outputs[0].payload
+    for key in ("f32", "f16_big", "i64", "u8_big", "bool", "empty", "scalar", "strided"):
+        assert got[key].dtype == payload[key].dtype and got[key].shape == payload[key].shape, key
+        assert got[key].tobytes() == payload[key].tobytes(), key
+    assert got["meta"]["text"] == "hello" and got["meta"]["n"] == 3
+    np.testing.assert_array_equal(got["meta"]["nested"][0], np.arange(5, dtype=np.int32))
