@@ -130,3 +130,19 @@ def test_tensors_of_many_dtypes_round_trip_bitwise_through_the_engine() -> None:
         assert got[key].tobytes() == payload[key].tobytes(), key
     assert got["meta"]["text"] == "hello" and got["meta"]["n"] == 3
     np.testing.assert_array_equal(got["meta"]["nested"][0], np.arange(5, dtype=np.int32))
+
+
+def test_control_plane_over_tcp() -> None:
+    raw = {"name": "tcp", "control_transport": "tcp", "stages": [
+        {"name": "framer", "factory": "voice_server.stages.numeric:create_framer", "stream_to": ["sink"],
+         "factory_args": {"frame_len": 8}},
+        {"name": "sink", "factory": "voice_server.stages.numeric:create_sink", "terminal": True}]}
+    pipeline = Pipeline(pipeline_from_dict(raw))
+    try:
+        assert all(a.startswith("tcp://127.0.0.1:") for a in pipeline.coordinator.endpoints.inboxes.values())
+        signal_in = np.arange(20, dtype=np.float32)
+        outputs = pipeline.collect({"signal": signal_in})
+    finally:
+        pipeline.close()
+    assert [o.payload.get("index") for o in outputs] == [0, 1, 2, None]
+    np.testing.assert_array_equal(outputs[2].payload["frame"], signal_in[16:])

@@ -113,6 +113,10 @@ class PipelineConfig:
     """Tensors smaller than this travel inside the control message instead of the relay."""
     relay_slab_bytes: int = 32 << 20
     """Shared-memory slab per producer process; larger tensors use overflow segments."""
+    control_transport: str = "ipc"
+    """ZMQ transport of the control plane: `ipc` (one host) or `tcp`."""
+    tcp_host: str = "127.0.0.1"
+    """Interface the control sockets use with `control_transport: tcp`."""
 
     def __post_init__(self) -> None:
         where = f"pipeline '{self.name}'"
@@ -124,6 +128,8 @@ class PipelineConfig:
             raise _fail(where, "inline_threshold_bytes", "must be >= 0")
         if self.relay_slab_bytes < 1 << 16:
             raise _fail(where, "relay_slab_bytes", "must be at least 64 KiB")
+        if self.control_transport not in ("ipc", "tcp"):
+            raise _fail(where, "control_transport", f"must be 'ipc' or 'tcp', got {self.control_transport!r}")
         by_name: dict[str, StageConfig] = {}
         for stage in self.stages:
             if stage.name in by_name:

@@ -107,7 +107,8 @@ class Coordinator:
         self.cfg = cfg
         self.budgets = plan_budget(cfg)  # NOTE: refuses an over-committed device before any spawn
         self.launch_id = launch_id or secrets.token_hex(4)
-        self.launcher = Launcher(cfg, self.launch_id, self.budgets)
+        self.endpoints = ipc.Endpoints.create(cfg, self.launch_id)
+        self.launcher = Launcher(cfg, self.launch_id, self.budgets, self.endpoints)
         self.max_restarts_per_minute = max_restarts_per_minute
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
         self._requests: dict[str, _Request] = {}
@@ -123,9 +124,9 @@ class Coordinator:
         self._actx = zmq.asyncio.Context()
         self._ctx = zmq.Context()
         self._inbox = ipc.configure(self._actx.socket(zmq.PULL))
-        self._inbox.bind(ipc.inbox_address(self.launch_id, ipc.COORDINATOR))
+        self._inbox.bind(self.endpoints.inboxes[ipc.COORDINATOR])
         self._pub = ipc.configure(self._ctx.socket(zmq.PUB))
-        self._pub.bind(ipc.broadcast_address(self.launch_id))
+        self._pub.bind(self.endpoints.broadcast)
         self._push: dict[str, zmq.Socket] = {}
         self.slab = ShmSlab(self.launch_id, self.owner, self.cfg.relay_slab_bytes)
         self.reader = ShmReader()
@@ -197,8 +198,11 @@ class Coordinator:
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request everywhere (barge-in, disconnect); its stream ends without error."""
-        if request_id not in self._requests:
+        request = self._requests.get(request_id)
+        if request is None:
             return False
+        while not request.queue.empty():  # NOTE: after a barge-in nothing more may reach the client
+            request.queue.get_nowait()
         self._finish(request_id, None)
         self._broadcast(Abort([request_id]))
         return True
@@ -229,7 +233,7 @@ class Coordinator:
         sock = self._push.get(process)
         if sock is None:
             sock = ipc.configure(self._ctx.socket(zmq.PUSH))
-            sock.connect(ipc.inbox_address(self.launch_id, process))
+            sock.connect(self.endpoints.inboxes[process])
             self._push[process] = sock
         sock.send(self.codec.encode(msg, consumer=process))
 

@@ -1,28 +1,53 @@
 """Socket addresses and small ZMQ helpers shared by the coordinator and the stage shell.
 
-Addresses derive from the launch id so two servers on one host never collide. They live in the
-Linux abstract socket namespace (`ipc://@...`): nothing to clean up on disk and no 107-byte path
-limit worries.
+With `control_transport: ipc` addresses derive from the launch id so two servers on one host never
+collide; they live in the Linux abstract socket namespace (`ipc://@...`): nothing to clean up on
+disk and no 107-byte path limit. With `tcp` the coordinator picks free ports on `tcp_host` at launch
+(the path stages placed on other hosts will take).
 """
 
 from __future__ import annotations
 
 import ctypes
 import signal
+import socket
 import sys
+from dataclasses import dataclass
 
 import zmq
+
+from voice_server.config import PipelineConfig
 
 COORDINATOR = "coord"
 """Process name of the server process (for relay owners and ack routing)."""
 
 
-def inbox_address(launch_id: str, process: str) -> str:
-    return f"ipc://@vs-{launch_id}-{process}"
+@dataclass(frozen=True)
+class Endpoints:
+    inboxes: dict[str, str]
+    """Process name (and COORDINATOR) -> the address its PULL inbox binds."""
+    broadcast: str
+    """The coordinator's PUB socket."""
+
+    @classmethod
+    def create(cls, cfg: PipelineConfig, launch_id: str) -> Endpoints:
+        names = [COORDINATOR, *cfg.processes]
+        if cfg.control_transport == "ipc":
+            return cls({n: f"ipc://@vs-{launch_id}-{n}" for n in names}, f"ipc://@vs-{launch_id}-pub")
+        ports = _free_ports(cfg.tcp_host, len(names) + 1)
+        addresses = [f"tcp://{cfg.tcp_host}:{port}" for port in ports]
+        return cls(dict(zip(names, addresses)), addresses[-1])
 
 
-def broadcast_address(launch_id: str) -> str:
-    return f"ipc://@vs-{launch_id}-pub"
+def _free_ports(host: str, num: int) -> list[int]:
+    socks = [socket.socket() for _ in range(num)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def relay_owner(process: str, generation: int) -> str:

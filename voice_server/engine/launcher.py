@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from voice_server.config import PipelineConfig, StageBudget
+from voice_server.engine.ipc import Endpoints
 from voice_server.engine.stage import ProcessSpec, run_stage_process
 
 _SPAWN = multiprocessing.get_context("spawn")
@@ -40,8 +41,9 @@ class ProcessHandle:
 
 
 class Launcher:
-    def __init__(self, cfg: PipelineConfig, launch_id: str, budgets: list[StageBudget]) -> None:
+    def __init__(self, cfg: PipelineConfig, launch_id: str, budgets: list[StageBudget], endpoints: Endpoints) -> None:
         self.cfg = cfg
+        self.endpoints = endpoints
         self.launch_id = launch_id
         self.budgets = {b.stage: b.num_bytes for b in budgets}
         self.handles = {name: ProcessHandle(name) for name in cfg.processes}
@@ -49,7 +51,7 @@ class Launcher:
     def spawn(self, name: str) -> ProcessHandle:
         handle = self.handles[name]
         handle.generation += 1
-        spec = ProcessSpec(self.launch_id, name, handle.generation, self.cfg, self.budgets)
+        spec = ProcessSpec(self.launch_id, name, handle.generation, self.cfg, self.budgets, self.endpoints)
         handle.process = _SPAWN.Process(target=run_stage_process, args=(spec,), name=f"vs-{name}", daemon=True)
         handle.process.start()
         return handle

@@ -56,6 +56,7 @@ class ProcessSpec:
     generation: int
     pipeline: PipelineConfig
     budgets: dict[str, int | None]
+    endpoints: ipc.Endpoints
 
 
 def run_stage_process(spec: ProcessSpec) -> None:
@@ -81,10 +82,10 @@ class StageShell:
         self._parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.inbox = ipc.configure(self.ctx.socket(zmq.PULL))
-        self.inbox.bind(ipc.inbox_address(spec.launch_id, spec.process))
+        self.inbox.bind(spec.endpoints.inboxes[spec.process])
         self.sub = ipc.configure(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(ipc.broadcast_address(spec.launch_id))
+        self.sub.connect(spec.endpoints.broadcast)
         self._peers: dict[str, zmq.Socket] = {}
         self.slab = ShmSlab(spec.launch_id, self.owner, self.cfg.relay_slab_bytes)
         self.reader = ShmReader()
@@ -265,7 +266,7 @@ class StageShell:
         sock = self._peers.get(process)
         if sock is None:
             sock = ipc.configure(self.ctx.socket(zmq.PUSH))
-            sock.connect(ipc.inbox_address(self.spec.launch_id, process))
+            sock.connect(self.spec.endpoints.inboxes[process])
             self._peers[process] = sock
         sock.send(self.codec.encode(msg, consumer=process))
 
