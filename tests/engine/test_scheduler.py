@@ -1,0 +1,77 @@
+"""SimpleScheduler on its own: plain Python, no model, no sockets."""
+
+from __future__ import annotations
+
+from voice_server.scheduling import Emit, EmitKind, SimpleScheduler, WorkItem, WorkKind
+
+
+def new(rid: str) -> WorkItem:
+    return WorkItem(rid, WorkKind.NEW, {"x": rid})
+
+
+def chunk(rid: str, seq: int) -> WorkItem:
+    return WorkItem(rid, WorkKind.CHUNK, {"seq": seq}, seq=seq)
+
+
+def test_batches_up_to_max_size_in_arrival_order() -> None:
+    sched = SimpleScheduler(max_batch_size=3)
+    for i in range(5):
+        sched.add(new(f"r{i}"), now=0.0)
+    first = sched.schedule(now=0.0)
+    assert first is not None and [w.request_id for w in first] == ["r0", "r1", "r2"]
+    second = sched.schedule(now=0.0)
+    assert second is not None and [w.request_id for w in second] == ["r3", "r4"]
+    assert sched.schedule(now=0.0) is None
+    assert sched.next_wakeup(now=0.0) is None
+
+
+def test_batch_window_waits_for_more_work_unless_full() -> None:
+    sched = SimpleScheduler(max_batch_size=4, batch_window_s=0.010)
+    sched.add(new("a"), now=1.000)
+    assert sched.schedule(now=1.004) is None
+    assert abs((sched.next_wakeup(now=1.004) or 0) - 0.006) < 1e-9
+    sched.add(new("b"), now=1.005)
+    batch = sched.schedule(now=1.011)
+    assert batch is not None and len(batch) == 2
+    for rid in "cdef":
+        sched.add(new(rid), now=2.0)
+    assert sched.next_wakeup(now=2.0) == 0.0  # a full batch does not wait
+
+
+def test_abort_drops_queued_items_and_late_chunks() -> None:
+    sched = SimpleScheduler(max_batch_size=8)
+    sched.add(new("a"), now=0)
+    sched.add(chunk("a", 0), now=0)
+    sched.add(new("b"), now=0)
+    assert sched.abort("a") and not sched.abort("zzz")
+    sched.add(chunk("a", 1), now=0)  # late chunk of an aborted request
+    batch = sched.schedule(now=0)
+    assert batch is not None and [w.request_id for w in batch] == ["b"]
+    assert sched.active_request_ids == {"b"}
+
+
+def test_results_end_requests_and_emits_of_aborted_requests_are_dropped() -> None:
+    sched = SimpleScheduler(max_batch_size=8)
+    sched.add(new("a"), now=0)
+    sched.add(new("b"), now=0)
+    batch = sched.schedule(now=0)
+    assert batch is not None
+    sched.abort("b")  # while the batch runs
+    emits = sched.update(batch, [
+        Emit("a", EmitKind.STREAM, {"i": 0}), Emit("a", EmitKind.RESULT), Emit("b", EmitKind.RESULT),
+    ])
+    assert [(e.request_id, e.kind) for e in emits] == [("a", EmitKind.STREAM), ("a", EmitKind.RESULT)]
+    assert sched.active_request_ids == set()
+
+
+def test_failed_batch_errors_each_request_once() -> None:
+    sched = SimpleScheduler(max_batch_size=8)
+    sched.add(new("a"), now=0)
+    sched.add(chunk("a", 0), now=0)
+    sched.add(new("b"), now=0)
+    batch = sched.schedule(now=0)
+    assert batch is not None
+    emits = sched.fail(batch, "boom")
+    assert [(e.request_id, e.kind, e.message) for e in emits] == [
+        ("a", EmitKind.ERROR, "boom"), ("b", EmitKind.ERROR, "boom")]
+    assert sched.active_request_ids == set()
