@@ -1,0 +1,151 @@
+"""Qwen3-Omni thinker: audio tower + Qwen3-MoE text decoder with interleaved M-RoPE + lm_head.
+
+Module tree and parameter names equal transformers' `Qwen3OmniMoeThinkerForConditionalGeneration`
+(`model.audio_tower.*`, `model.language_model.*`, `lm_head`), except that the vision tower
+(`model.visual.*`) is not built: those keys are to be skipped when loading (`IGNORED_STATE_PREFIXES`).
+No buffers (rotary tables are computed per call), so the model can be built on the meta device.
+The caller owns the KV cache and positions; `forward` runs one prefill or decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from voice_server.models.layers import Attention, KVCache, RMSNorm, SwiGLU
+from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
+from voice_server.models.qwen3_omni.moe import SparseMoeBlock
+from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig, ThinkerTextConfig
+from voice_server.models.qwen3_omni.thinker.rope import mrope_cos_sin
+
+
+@dataclass
+class ThinkerOutput:
+    logits: torch.Tensor  # [B, L, vocab]
+    inputs_embeds: torch.Tensor  # [B, L, H]: token embeddings with audio features scattered in (HF hidden_states[0])
+    accepted_hidden: torch.Tensor | None  # [B, L, H]: HF hidden_states[accept_hidden_layer], if asked for
+    last_hidden: torch.Tensor  # [B, L, H]: after the final norm
+
+
+class ThinkerDecoderLayer(nn.Module):
+    def __init__(self, cfg: ThinkerTextConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True, norm_eps=cfg.rms_norm_eps,
+        )
+        self.mlp: SparseMoeBlock | SwiGLU
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = SparseMoeBlock(
+                cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+            )
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None,
+        layer_idx: int,
+        extra_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx, extra_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ThinkerTextModel(nn.Module):
+    def __init__(self, cfg: ThinkerTextConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([ThinkerDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ThinkerBody(nn.Module):
+    """HF `Qwen3OmniMoeThinkerModel` without the vision tower."""
+
+    def __init__(self, cfg: ThinkerConfig) -> None:
+        super().__init__()
+        self.audio_tower = AudioEncoder(cfg.audio)
+        self.language_model = ThinkerTextModel(cfg.text)
+
+
+def _padding_mask(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor:
+    """[B, 1, q_len, Lk] from a key mask [B, Lk] (1 = real token). Padding queries may see every key so
+    their (unused) rows stay finite."""
+    keys = attention_mask.bool()
+    pad_queries = ~keys[:, -q_len:]
+    return keys[:, None, None, :] | pad_queries[:, None, :, None]
+
+
+class ThinkerModel(nn.Module):
+    IGNORED_STATE_PREFIXES = ("model.visual.",)
+
+    def __init__(self, cfg: ThinkerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = ThinkerBody(cfg)
+        self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
+
+    def encode_audio(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
+        """Packed log-mel [num_mel_bins, sum(feature_lens)] -> audio tokens [N, hidden]."""
+        return self.model.audio_tower(input_features, feature_lens)
+
+    def embed(self, input_ids: torch.Tensor, audio_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [B, L, H] with audio placeholders replaced, in order, by `audio_embeds` [N, H]."""
+        embeds = self.model.language_model.embed_tokens(input_ids)
+        is_audio = input_ids == self.cfg.audio_token_id
+        num_placeholders = int(is_audio.sum())
+        num_audio = 0 if audio_embeds is None else audio_embeds.shape[0]
+        if num_placeholders != num_audio:
+            raise ValueError(f"{num_placeholders} audio placeholder tokens but {num_audio} audio embeddings")
+        if audio_embeds is not None and num_audio:
+            embeds = embeds.masked_scatter(is_audio[..., None], audio_embeds.to(embeds.dtype))
+        return embeds
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        audio_embeds: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        accept_hidden_layer: int | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> ThinkerOutput:
+        """One prefill or decode step.
+
+        input_ids [B, L]; position_ids [3, B, L] (see `rope.get_rope_index` / `decode_position_ids`);
+        attention_mask [B, cached + L] (1 = real token) only for padded batches; `accept_hidden_layer`
+        k returns the output of decoder layer k - 1 (k = 0: the embeddings; k = num_layers: post-norm,
+        as HF's recorded hidden states); `inputs_embeds` overrides the embedding lookup.
+        """
+        text = self.model.language_model
+        num_layers = len(text.layers)
+        if accept_hidden_layer is not None and not 0 <= accept_hidden_layer <= num_layers:
+            raise ValueError(f"accept_hidden_layer={accept_hidden_layer} is outside [0, {num_layers}]")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed(input_ids, audio_embeds)
+        tc = self.cfg.text
+        cos, sin = mrope_cos_sin(position_ids, tc.head_dim, tc.rope_theta, tc.mrope_section, inputs_embeds.dtype)
+        extra_mask = None if attention_mask is None else _padding_mask(attention_mask, inputs_embeds.shape[1])
+        x = inputs_embeds
+        accepted = x if accept_hidden_layer == 0 else None
+        for i, layer in enumerate(text.layers):
+            x = layer(x, cos, sin, kv_cache, i, extra_mask)
+            if accept_hidden_layer == i + 1 and i + 1 < num_layers:
+                accepted = x
+        x = text.norm(x)
+        if accept_hidden_layer == num_layers:
+            accepted = x
+        return ThinkerOutput(
+            logits=self.lm_head(x), inputs_embeds=inputs_embeds, accepted_hidden=accepted, last_hidden=x
+        )

@@ -1,0 +1,166 @@
+"""A greedy whole turn (thinker text -> talker codes -> waveform), step by step with explicit KV caches.
+
+This is the offline reference driver (tests, benches, a CLI demo): it reproduces transformers'
+`Qwen3OmniMoeForConditionalGeneration.generate(..., thinker_do_sample=False, talker_do_sample=False)`
+for one sequence. Serving runners drive the same public pieces stage by stage instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from voice_server.models.layers import KVCache
+from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.talker.generate import generate_frames
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.models.qwen3_omni.thinker.rope import decode_position_ids, get_rope_index
+from voice_server.models.qwen3_omni.weights import build_on_meta, load_weights
+
+
+@dataclass(frozen=True)
+class TurnModels:
+    cfg: Qwen3OmniConfig
+    thinker: ThinkerModel
+    talker: Talker
+    code2wav: Code2Wav
+
+
+@dataclass(frozen=True)
+class ThinkerTurn:
+    text_ids: torch.Tensor  # [1, prompt + generated] (HF `sequences`)
+    consumed_ids: torch.Tensor  # [S]: tokens the thinker was fed (the last generated one never is)
+    inputs_embeds: torch.Tensor  # [S, D]: its input embeddings, audio features merged in
+    accepted_hidden: torch.Tensor  # [S, D]: its hidden state at the talker's accept_hidden_layer
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    text_ids: torch.Tensor  # [1, prompt + generated]
+    codes: torch.Tensor  # [1, num_code_groups, num_frames]
+    waveform: torch.Tensor  # [1, 1, num_samples] at the code2wav sample rate
+
+
+def turn_token_ids(cfg: Qwen3OmniConfig) -> TurnTokenIds:
+    th = cfg.thinker
+    return TurnTokenIds(
+        im_start=cfg.im_start_token_id, system=cfg.system_token_id, user=cfg.user_token_id,
+        assistant=cfg.assistant_token_id, tts_pad=cfg.tts_pad_token_id, tts_bos=cfg.tts_bos_token_id,
+        tts_eos=cfg.tts_eos_token_id, audio=th.audio_token_id, image=th.image_token_id, video=th.video_token_id,
+    )
+
+
+def load_turn_models(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TurnModels:
+    """Build the three stages on the meta device and fill them from a checkpoint folder (released layout
+    or `save_pretrained` output). The vision tower is not built, so its tensors are skipped."""
+    ckpt_dir = Path(ckpt_dir)
+    cfg = Qwen3OmniConfig.from_json_file(ckpt_dir)
+    thinker = build_on_meta(ThinkerModel, cfg.thinker)
+    load_weights(thinker, ckpt_dir, "thinker.", dtype, device=device,
+                 ignore_prefixes=ThinkerModel.IGNORED_STATE_PREFIXES)
+    talker = build_on_meta(Talker, cfg.talker)
+    load_weights(talker, ckpt_dir, "talker.", dtype, device=device)
+    code2wav = build_on_meta(Code2Wav, cfg.code2wav)
+    load_weights(code2wav, ckpt_dir, "code2wav.", dtype, device=device)
+    return TurnModels(cfg, thinker.eval(), talker.eval(), code2wav.eval())
+
+
+@torch.no_grad()
+def run_greedy_thinker(
+    thinker: ThinkerModel,
+    input_ids: torch.Tensor,
+    accept_hidden_layer: int,
+    eos_token_id: int,
+    max_new_tokens: int,
+    input_features: torch.Tensor | None = None,
+    feature_lens: torch.Tensor | None = None,
+) -> ThinkerTurn:
+    """Greedy thinker decode of one sequence until `eos_token_id` (kept) or `max_new_tokens`."""
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, L], got {tuple(input_ids.shape)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    audio = None
+    if input_features is not None:
+        if feature_lens is None:
+            raise ValueError("input_features needs feature_lens")
+        audio = thinker.encode_audio(input_features, feature_lens)
+    kv_cache = KVCache(thinker.cfg.text.num_hidden_layers)
+    positions, deltas = get_rope_index(input_ids, thinker.cfg, audio_feature_lens=feature_lens)
+    out = thinker(input_ids, positions, kv_cache, audio_embeds=audio, accept_hidden_layer=accept_hidden_layer)
+    embeds, hiddens, generated = [out.inputs_embeds[0]], [out.accepted_hidden], []
+    for step in range(max_new_tokens):
+        next_id = out.logits[:, -1].float().argmax(-1, keepdim=True)  # [1, 1]
+        generated.append(next_id)
+        if int(next_id) == eos_token_id or step == max_new_tokens - 1:
+            break
+        positions = decode_position_ids(kv_cache.seq_len, 1, deltas)
+        out = thinker(next_id, positions, kv_cache, accept_hidden_layer=accept_hidden_layer)
+        embeds.append(out.inputs_embeds[0])
+        hiddens.append(out.accepted_hidden)
+    text_ids = torch.cat([input_ids, *generated], dim=1)
+    accepted = torch.cat([h[0] for h in hiddens if h is not None])
+    return ThinkerTurn(text_ids, text_ids[0, :-1], torch.cat(embeds), accepted)
+
+
+@torch.no_grad()
+def chunked_decode(
+    code2wav: Code2Wav, codes: torch.Tensor, chunk_size: int = 300, left_context_size: int = 25
+) -> torch.Tensor:
+    """codes [B, G, T] -> PCM [B, 1, samples], decoding `chunk_size` frames at a time with up to
+    `left_context_size` frames of left context whose samples are dropped (HF `chunked_decode`)."""
+    wavs = []
+    start = 0
+    while start < codes.shape[-1]:
+        end = min(start + chunk_size, codes.shape[-1])
+        context = left_context_size if start - left_context_size > 0 else start
+        wav = code2wav(codes[..., start - context : end])
+        wavs.append(wav[..., context * code2wav.total_upsample :])
+        start = end
+    if not wavs:
+        return codes.new_zeros((codes.shape[0], 1, 0), dtype=torch.float32)
+    return torch.cat(wavs, dim=-1)
+
+
+@torch.no_grad()
+def run_greedy_turn(
+    models: TurnModels,
+    input_ids: torch.Tensor,
+    max_new_tokens: int,
+    max_codec_frames: int,
+    input_features: torch.Tensor | None = None,
+    feature_lens: torch.Tensor | None = None,
+    speaker: str = "ethan",
+    eos_token_id: int | None = None,
+) -> TurnResult:
+    """One greedy turn for input_ids [1, L] (the chat prompt ending in `<|im_start|>assistant\\n`).
+
+    Audio input: `input_features` packed log-mel [num_mel_bins, sum(feature_lens)] (`MelFeatures.packed`)
+    and `feature_lens` [num_clips], with matching audio blocks in the prompt. The thinker stops at
+    `eos_token_id` (default `<|im_end|>`); the talker at codec EOS or after `max_codec_frames` full frames
+    (HF's `talker_max_new_tokens` = max_codec_frames + 1, since its last token never gets its residual codes).
+    """
+    cfg = models.cfg
+    eos = cfg.im_end_token_id if eos_token_id is None else eos_token_id
+    turn = run_greedy_thinker(
+        models.thinker, input_ids, cfg.talker.accept_hidden_layer, eos, max_new_tokens, input_features, feature_lens
+    )
+    special = torch.tensor(turn_token_ids(cfg).tts_special_ids, device=input_ids.device)
+    tts_embeds = models.thinker.model.language_model.embed_tokens(special)
+    prefill = build_talker_prefill(
+        models.talker, turn_token_ids(cfg), turn.consumed_ids, input_ids.shape[1], turn.inputs_embeds,
+        turn.accepted_hidden, tts_embeds, speaker,
+    )
+    frames = generate_frames(models.talker, prefill, max_codec_frames, TalkerSampling())
+    num_groups = cfg.talker.num_code_groups
+    if frames:
+        codes = torch.stack([f.codes for f in frames], dim=-1)  # [1, G, T]
+    else:
+        codes = torch.zeros(1, num_groups, 0, dtype=torch.long, device=input_ids.device)
+    return TurnResult(turn.text_ids, codes, chunked_decode(models.code2wav, codes))
