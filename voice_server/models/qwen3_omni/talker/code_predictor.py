@@ -1,0 +1,124 @@
+"""Code predictor ("MTP"): a small dense Qwen3 decoder that fills codebooks 1..G-1 of one frame.
+
+Parameter names equal transformers' `Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration`
+(`model.layers.*`, `model.norm`, `model.codec_embedding.{k}`, `lm_head.{k}`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from voice_server.models.layers import (
+    Attention,
+    KVCache,
+    RMSNorm,
+    SwiGLU,
+    rope_angles,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
+from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_tokens
+
+
+class CodePredictorLayer(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            qk_norm=True, norm_eps=cfg.rms_norm_eps, sliding_window=cfg.layer_window(layer_idx),
+        )
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, layer_idx: int
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CodePredictorModel(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(CodePredictorLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # codec_embedding[k - 1] embeds code k (k = 1..G-1); code 0 uses the talker's own table.
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(cfg.vocab_size, cfg.hidden_size) for _ in range(cfg.num_code_groups - 1)
+        )
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, L] -> cos, sin [B, L, head_dim] (plain 1-D RoPE)."""
+        device = positions.device
+        if device not in self._inv_freq:
+            self._inv_freq[device] = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta).to(device)
+        return rope_cos_sin(rope_angles(positions, self._inv_freq[device]), dtype)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """inputs_embeds [B, L, H], positions [B, L] -> post-norm hidden [B, L, H]."""
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        return self.run_layers(inputs_embeds, cos, sin, kv_cache)
+
+    def run_layers(
+        self, inputs_embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache
+    ) -> torch.Tensor:
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache, i)
+        return self.norm(x)
+
+
+class FrameFill(NamedTuple):
+    codes: torch.Tensor  # [B, G - 1] codes 1..G-1
+    embeds: torch.Tensor  # [B, G - 1, H] codec_embedding[k - 1](code k), the feedback summands
+    logits: torch.Tensor  # [B, G - 1, V] raw lm_head[k - 1] logits that chose code k
+
+
+class CodePredictor(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = CodePredictorModel(cfg)
+        self.lm_head = nn.ModuleList(
+            nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) for _ in range(cfg.num_code_groups - 1)
+        )
+
+    def fill(
+        self,
+        talker_hidden: torch.Tensor,
+        code0_embed: torch.Tensor,
+        params: SamplingParams | None = None,
+        generator: torch.Generator | None = None,
+    ) -> FrameFill:
+        """Codes 1..G-1 of one frame from the talker's last post-norm hidden [B, H] and
+        talker.codec_embedding(code0) [B, H], with a fresh KV cache: a 2-position prefill scored by
+        lm_head[0], then G-2 single-position steps feeding codec_embedding[k-1](code k) into lm_head[k]."""
+        params = params or SamplingParams()
+        bsz = talker_hidden.shape[0]
+        kv_cache = KVCache(len(self.model.layers))
+        positions = torch.arange(self.cfg.num_code_groups, device=talker_hidden.device).expand(bsz, -1)
+        # NOTE: one rope table for the whole frame (positions 0..G-1), sliced per pass.
+        cos, sin = self.model.rotary(positions, talker_hidden.dtype)
+        x = torch.stack((talker_hidden, code0_embed), dim=1)
+        codes: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        for k in range(self.cfg.num_code_groups - 1):
+            start = 0 if k == 0 else k + 1
+            end = start + x.shape[1]
+            hidden = self.model.run_layers(x, cos[:, start:end], sin[:, start:end], kv_cache)
+            step_logits = self.lm_head[k](hidden[:, -1])
+            code = select_tokens(step_logits, params, generator)
+            embed = self.model.codec_embedding[k](code)
+            codes.append(code)
+            embeds.append(embed)
+            logits.append(step_logits)
+            x = embed.unsqueeze(1)
+        return FrameFill(torch.stack(codes, dim=1), torch.stack(embeds, dim=1), torch.stack(logits, dim=1))

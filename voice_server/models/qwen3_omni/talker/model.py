@@ -1,0 +1,174 @@
+"""Qwen3-Omni talker: MoE decoder predicting codebook 0, plus the MTP fill and the feedback rule.
+
+Parameter names equal transformers' `Qwen3OmniMoeTalkerForConditionalGeneration` in-memory names, so
+`Talker(cfg).load_state_dict(hf_talker.state_dict())` works.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from voice_server.models.layers import Attention, KVCache, RMSNorm
+from voice_server.models.qwen3_omni.moe import SparseMoeBlock
+from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
+from voice_server.models.qwen3_omni.talker.config import TalkerConfig
+from voice_server.models.qwen3_omni.talker.rope import MRoPE
+from voice_server.models.qwen3_omni.talker.sampling import (
+    TalkerSampling,
+    apply_repetition_penalty,
+    select_tokens,
+)
+
+
+class TalkerDecoderLayer(nn.Module):
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+            qk_norm=True, norm_eps=cfg.rms_norm_eps,
+        )
+        # NOTE: every talker layer is MoE with the gated shared expert (HF ignores mlp_only_layers here).
+        self.mlp = SparseMoeBlock(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.is_norm_topk_prob, shared_intermediate_size=cfg.shared_expert_intermediate_size,
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None,
+        layer_idx: int,
+        key_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx, key_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TalkerModel(nn.Module):
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TalkerDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = MRoPE(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache | None,
+        key_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds [B, L, H]; positions [B, L] or [3, B, L] (t, h, w); key_mask [B, Lk] bool
+        (False = left padding) -> post-norm hidden [B, L, H]."""
+        cos, sin = self.rotary(positions, inputs_embeds.dtype)
+        mask = None if key_mask is None else key_mask[:, None, None, :]
+        x = inputs_embeds
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache, i, mask)
+        return self.norm(x)
+
+
+class ResizeMLP(nn.Module):
+    """thinker width -> talker width (`text_projection` for token embeddings, `hidden_projection`
+    for the thinker's accept_hidden_layer state at multimodal positions)."""
+
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(cfg.thinker_hidden_size, cfg.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class TalkerStepOutput(NamedTuple):
+    codes: torch.Tensor  # [B, G]: code 0 from codec_head, codes 1..G-1 from the code predictor
+    next_input_embeds: torch.Tensor  # [B, 1, H]: the talker input of the next step
+    hidden: torch.Tensor  # [B, H]: post-norm talker hidden at the last position
+    logits: torch.Tensor  # [B, V]: raw codec_head logits at the last position
+
+
+class Talker(nn.Module):
+    def __init__(self, cfg: TalkerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = TalkerModel(cfg)
+        self.text_projection = ResizeMLP(cfg)
+        self.hidden_projection = ResizeMLP(cfg)
+        self.codec_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(cfg.code_predictor)
+        self._suppress: dict[torch.device, torch.Tensor] = {}
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache | None,
+        key_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One prefill or decode pass -> (codec_head logits [B, L, V], post-norm hidden [B, L, H])."""
+        hidden = self.model(inputs_embeds, positions, kv_cache, key_mask)
+        return self.codec_head(hidden), hidden
+
+    def suppress_mask(self, device: torch.device) -> torch.Tensor:
+        """[V] bool: ids generation never picks for code 0 ([V - 1024, V) except codec EOS)."""
+        if device not in self._suppress:
+            ids = torch.arange(self.cfg.vocab_size, device=device)
+            self._suppress[device] = (ids >= self.cfg.vocab_size - 1024) & (ids != self.cfg.codec_eos_token_id)
+        return self._suppress[device]
+
+    def select_code0(
+        self,
+        logits: torch.Tensor,
+        code0_seen: torch.Tensor | None,
+        sampling: TalkerSampling,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Raw logits [B, V] -> code 0 [B]; marks the choice in `code0_seen` [B, V] in place."""
+        scores = logits.float()
+        if code0_seen is not None:
+            scores = apply_repetition_penalty(scores, code0_seen, sampling.repetition_penalty)
+        if sampling.is_suppress_control:
+            scores = scores.masked_fill(self.suppress_mask(scores.device), float("-inf"))
+        code0 = select_tokens(scores, sampling.code0, generator)
+        if code0_seen is not None:
+            code0_seen.scatter_(1, code0[:, None], True)
+        return code0
+
+    def step(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        text_vec: torch.Tensor,
+        code0_seen: torch.Tensor | None = None,
+        sampling: TalkerSampling | None = None,
+        generator: torch.Generator | None = None,
+        key_mask: torch.Tensor | None = None,
+    ) -> TalkerStepOutput:
+        """Fused frame step: talker pass (prefill [B, L, H] or decode [B, 1, H]) -> code 0 at the last
+        position -> code predictor fills codes 1..G-1 -> next input = sum of all G codebook embeddings
+        + `text_vec` [B, H] (the next trailing text vector, or tts_pad once the text ran out).
+
+        `code0_seen` [B, V] bool carries the repetition-penalty history across steps (updated in place).
+        NOTE: a row whose code 0 is codec EOS has ended; HF never fills that frame, so the caller drops it.
+        """
+        sampling = sampling or TalkerSampling()
+        last_hidden = self.model(inputs_embeds, positions, kv_cache, key_mask)[:, -1]
+        last_logits = self.codec_head(last_hidden)
+        code0 = self.select_code0(last_logits, code0_seen, sampling, generator)
+        code0_embed = self.model.codec_embedding(code0)
+        fill = self.code_predictor.fill(last_hidden, code0_embed, sampling.residual, generator)
+        codec_sum = torch.cat((code0_embed.unsqueeze(1), fill.embeds), dim=1).sum(1, keepdim=True)
+        next_input = codec_sum + text_vec.reshape(codec_sum.shape).to(codec_sum.dtype)
+        codes = torch.cat((code0.unsqueeze(1), fill.codes), dim=1)
+        return TalkerStepOutput(codes, next_input, last_hidden, last_logits)

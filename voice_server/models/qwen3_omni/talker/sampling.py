@@ -1,0 +1,83 @@
+"""Token selection for the talker (codebook 0) and the code predictor (codebooks 1..G-1).
+
+Mirrors the transformers logits processors `generate` installs, in the same order: repetition
+penalty, suppressed ids, then (sampling only) temperature, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    is_greedy: bool = True
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"SamplingParams.temperature must be positive, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class TalkerSampling:
+    """Defaults equal transformers' `Qwen3OmniMoeForConditionalGeneration.generate(talker_do_sample=False)`.
+
+    NOTE: repetition_penalty (1.05) and the control-id suppression are logits processors, so HF applies
+    them in greedy decoding too; the code predictor gets neither.
+    """
+
+    code0: SamplingParams = field(default_factory=SamplingParams)
+    residual: SamplingParams = field(default_factory=SamplingParams)
+    repetition_penalty: float = 1.05
+    is_suppress_control: bool = True
+
+    def __post_init__(self) -> None:
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"TalkerSampling.repetition_penalty must be positive, got {self.repetition_penalty}")
+
+    @classmethod
+    def hf_sampling(cls) -> TalkerSampling:
+        """HF's sampling defaults: talker T=0.9, top-k 50; code predictor top-k 50, top-p 0.8."""
+        return cls(
+            code0=SamplingParams(is_greedy=False, temperature=0.9, top_k=50, top_p=1.0),
+            residual=SamplingParams(is_greedy=False, temperature=1.0, top_k=50, top_p=0.8),
+        )
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """logits [B, V]; seen [B, V] bool marks ids already generated."""
+    if penalty == 1.0:
+        return logits
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def select_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """logits [B, V] (processed in fp32) -> ids [B]."""
+    scores = logits.float()
+    if params.is_greedy:
+        return scores.argmax(dim=-1)
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if 0 < params.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False)
+        cum_probs = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum_probs <= (1 - params.top_p)
+        drop[..., -1:] = False  # keep at least the most likely id
+        scores = scores.masked_fill(drop.scatter(-1, sorted_idx, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
