@@ -1,0 +1,204 @@
+"""Relay vs msgpack vs pickle for moving one tensor between two processes, with memcpy as the ceiling.
+
+Each variant sends a float32 tensor over a ZMQ PUSH socket (ipc) to a spawned consumer that decodes it,
+reads a strided sample of ~256 elements spread over the whole tensor (so no variant is free) and replies
+on a second PUSH socket; the relay's reply carries the slot ids the producer acks. Latency is that round
+trip with one message in flight (median/p90); throughput (GB/s) keeps a window of up to 8 messages in
+flight (as many as the relay's slab holds). Below 16 KiB the relay sends the tensor inline. memcpy is an
+in-process `np.copyto` of the same size plus the same sample read (throughput = size / mean time).
+
+Usage: python loadtest/bench_relay.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import pickle
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import msgpack  # noqa: E402
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from voice_server.relay import ShmReader, ShmSlab, pack, unpack  # noqa: E402
+
+SIZES = (4 * 1024, 1024 * 1024, 64 * 1024 * 1024)
+ITERS = {4 * 1024: 2000, 1024 * 1024: 300, 64 * 1024 * 1024: 30}
+QUICK_ITERS = {4 * 1024: 300, 1024 * 1024: 50, 64 * 1024 * 1024: 8}
+VARIANTS = ("relay", "msgpack", "pickle")
+
+
+def _touch(x: np.ndarray) -> float:
+    flat = x.reshape(-1)
+    return float(flat[:: max(1, flat.size // 256)].sum())
+
+
+def _decode(variant: str, buf: bytes | memoryview, reader: ShmReader) -> tuple[float, list[int]]:
+    if variant == "relay":
+        obj, refs = unpack(buf, reader)
+        assert isinstance(obj, dict)
+        return _touch(obj["x"]), [r.slot_id for r in refs]
+    if variant == "msgpack":
+        obj = msgpack.unpackb(buf)
+        arr = np.frombuffer(obj["data"], dtype=obj["dtype"]).reshape(obj["shape"])
+        return _touch(arr), []
+    return _touch(pickle.loads(buf)), []
+
+
+def _consumer(variant: str, in_addr: str, out_addr: str) -> None:
+    ctx = zmq.Context()
+    pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    pull.connect(in_addr)
+    push.connect(out_addr)
+    reader = ShmReader()
+    # NOTE: each variant gets its best receive mode: relay messages are small (a copy is cheaper than a
+    # zmq.Frame), the baselines are large (zero-copy frame).
+    is_copy = variant == "relay"
+    while True:
+        msg = pull.recv(copy=is_copy)
+        buf = msg if isinstance(msg, bytes) else msg.buffer
+        if len(buf) == 0:
+            break
+        sample, slot_ids = _decode(variant, buf, reader)
+        push.send(msgpack.packb([slot_ids, sample]))
+    reader.close()
+    ctx.destroy(linger=0)
+
+
+def _encode(variant: str, x: np.ndarray, slab: ShmSlab) -> bytes:
+    if variant == "relay":
+        return pack({"x": x}, slab, "bench")
+    if variant == "msgpack":
+        return msgpack.packb({"dtype": str(x.dtype), "shape": list(x.shape), "data": x.data})
+    return pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _time(fn: Callable[[], None], num_iters: int, num_warmup: int) -> list[float]:
+    for _ in range(num_warmup):
+        fn()
+    times = []
+    for _ in range(num_iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _row(variant: str, nbytes: int, times: list[float], gbps: float) -> dict[str, Any]:
+    times_sorted = sorted(times)
+    return {
+        "variant": variant,
+        "size_bytes": nbytes,
+        "num_iters": len(times),
+        "median_ms": statistics.median(times) * 1e3,
+        "p90_ms": times_sorted[int(0.9 * (len(times) - 1))] * 1e3,
+        "gbps": gbps,
+    }
+
+
+def _bench_variant(variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:10]
+    in_addr, out_addr = f"ipc://@vsbench-{tag}-in", f"ipc://@vsbench-{tag}-out"
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.bind(in_addr)
+    pull.bind(out_addr)
+    proc = mp.get_context("spawn").Process(target=_consumer, args=(variant, in_addr, out_addr), daemon=True)
+    proc.start()
+    expected = _touch(x)
+
+    def send() -> None:
+        push.send(_encode(variant, x, slab), copy=False)
+
+    def receive() -> None:
+        slot_ids, sample = msgpack.unpackb(pull.recv())
+        slab.ack(slot_ids)
+        assert sample == expected, (variant, sample, expected)
+
+    def round_trip() -> None:
+        send()
+        receive()
+
+    try:
+        times = _time(round_trip, num_iters, num_warmup=max(2, num_iters // 10))
+        # Throughput: keep a window of messages in flight (as many as the slab holds, at most 8).
+        window = max(1, min(8, slab.capacity_bytes // max(1, x.nbytes)))
+        t0 = time.perf_counter()
+        for _ in range(window):
+            send()
+        for i in range(num_iters):
+            receive()
+            if i + window < num_iters:
+                send()
+        gbps = num_iters * x.nbytes / (time.perf_counter() - t0) / 1e9
+        assert slab.num_live_slots == 0 and slab.num_overflow_puts == 0
+    finally:
+        push.send(b"")
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.kill()
+        ctx.destroy(linger=0)
+    return _row(variant, x.nbytes, times, gbps)
+
+
+def run(quick: bool = False, sizes: tuple[int, ...] = SIZES) -> list[dict[str, Any]]:
+    iters = QUICK_ITERS if quick else ITERS
+    rows: list[dict[str, Any]] = []
+    with ShmSlab(uuid.uuid4().hex[:10], "bench", 2 * max(sizes)) as slab:
+        for nbytes in sizes:
+            x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+            num_iters = iters.get(nbytes, 20)
+            for variant in VARIANTS:
+                rows.append(_bench_variant(variant, x, slab, num_iters))
+            dst = np.empty_like(x)
+
+            def memcpy(x: np.ndarray = x, dst: np.ndarray = dst) -> None:
+                np.copyto(dst, x)
+                _touch(dst)
+
+            times = _time(memcpy, num_iters, num_warmup=2)
+            rows.append(_row("memcpy", nbytes, times, nbytes / statistics.fmean(times) / 1e9))
+    return rows
+
+
+def _fmt_size(nbytes: int) -> str:
+    return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    by_key = {(r["size_bytes"], r["variant"]): r for r in rows}
+    variants = (*VARIANTS, "memcpy")
+    head = f"{'size':>7} | " + " | ".join(f"{v + ' med/p90 ms (GB/s)':>32}" for v in variants)
+    head += " | relay speedup (latency / throughput) vs msgpack, pickle | relay/memcpy (lat / thr)"
+    lines = [head, "-" * len(head)]
+    for nbytes in sorted({r["size_bytes"] for r in rows}):
+        cells = []
+        for v in variants:
+            r = by_key[(nbytes, v)]
+            cells.append(f"{r['median_ms']:9.3f} /{r['p90_ms']:9.3f} ({r['gbps']:7.2f})")
+        med = {v: by_key[(nbytes, v)]["median_ms"] for v in variants}
+        gbps = {v: by_key[(nbytes, v)]["gbps"] for v in variants}
+        ratios = (f"{med['msgpack'] / med['relay']:5.1f}x / {gbps['relay'] / gbps['msgpack']:5.1f}x, "
+                  f"{med['pickle'] / med['relay']:5.1f}x / {gbps['relay'] / gbps['pickle']:5.1f}x"
+                  f" | {med['relay'] / med['memcpy']:5.2f}x / {gbps['memcpy'] / gbps['relay']:5.2f}x")
+        lines.append(f"{_fmt_size(nbytes):>7} | " + " | ".join(f"{c:>32}" for c in cells) + " | " + ratios)
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    args = parser.parse_args()
+    rows = run(quick=args.quick)
+    # NOTE: on a shared box, the load average explains most of the variance between runs.
+    load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(f"{os.cpu_count()} CPUs, load average {load}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
+    print(format_table(rows))

@@ -1,0 +1,13 @@
+"""Data plane: tensors cross processes without serialisation (see base.py for the transport contract)."""
+
+from __future__ import annotations
+
+from voice_server.relay.base import ConsumerTransport, ProducerTransport
+from voice_server.relay.codec import RelayRef, pack, unpack
+from voice_server.relay.dist import DistReceiver, DistRef, DistSender
+from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, sweep
+
+__all__ = [
+    "ConsumerTransport", "DistReceiver", "DistRef", "DistSender", "ProducerTransport", "RelayRef",
+    "ShmReader", "ShmRef", "ShmSlab", "pack", "sweep", "unpack",
+]

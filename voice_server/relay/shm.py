@@ -1,0 +1,337 @@
+"""Shared-memory relay on one host: a slab per producer, zero-copy views for consumers.
+
+Segments are plain files under /dev/shm named `vs-{launch_id}-{owner}-{n}`: n == 0 is the producer's
+slab, n >= 1 are one-tensor overflow segments used when the slab is full. The owner unlinks them on ack
+and on close; the launcher calls `sweep` for an owner that died.
+
+NOTE: multiprocessing.shared_memory is not used: before Python 3.13 attaching registers the segment
+with a resource tracker that unlinks it under its owner (see shared/reference/engine_pitfalls.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import math
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from voice_server.relay.base import ConsumerTransport, ProducerTransport
+from voice_server.relay.tensors import from_buffer, numpy_dtype, to_numpy
+
+if TYPE_CHECKING:
+    import torch
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "vs"
+ALIGN = 64
+_PAGE = mmap.PAGESIZE
+
+
+def segment_name(launch_id: str, owner: str, n: int) -> str:
+    return f"{SEGMENT_PREFIX}-{launch_id}-{owner}-{n}"
+
+
+def _check_ids(launch_id: str, owner: str | None) -> None:
+    # NOTE: a dash-free launch id and a numeric suffix make `vs-{launch}-{owner}-{n}` parse unambiguously
+    # even when the owner name itself contains dashes.
+    if not launch_id or "-" in launch_id or "/" in launch_id:
+        raise ValueError(f"launch_id must be non-empty without '-' or '/', got {launch_id!r}")
+    if owner is not None and (not owner or "/" in owner):
+        raise ValueError(f"owner must be non-empty without '/', got {owner!r}")
+
+
+def _parse_owner(name: str, launch_id: str) -> str | None:
+    prefix = f"{SEGMENT_PREFIX}-{launch_id}-"
+    if not name.startswith(prefix):
+        return None
+    owner, _, n = name[len(prefix):].rpartition("-")
+    return owner if owner and n.isdigit() else None
+
+
+def list_segments(launch_id: str, owner: str | None = None, shm_dir: str = SHM_DIR) -> list[str]:
+    _check_ids(launch_id, owner)
+    names = []
+    for name in os.listdir(shm_dir):
+        seg_owner = _parse_owner(name, launch_id)
+        if seg_owner is not None and (owner is None or seg_owner == owner):
+            names.append(name)
+    return sorted(names)
+
+
+def sweep(launch_id: str, owner: str | None = None, shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink leftover segments of a launch (or of one dead owner in it); returns their names."""
+    removed = []
+    for name in list_segments(launch_id, owner, shm_dir):
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass  # NOTE: its owner unlinked it meanwhile.
+    return removed
+
+
+def _map_file(path: str, size: int | None = None) -> tuple[mmap.mmap, int]:
+    """Create (size given) or open a segment and map it whole; returns (mapping, inode).
+
+    MAP_POPULATE fills the page tables up front so first touches do not fault page by page.
+    """
+    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
+    fd = os.open(path, flags, 0o600)
+    try:
+        if size is not None:
+            os.ftruncate(fd, size)
+            # NOTE: reserve the tmpfs pages now: a full /dev/shm then fails here with ENOSPC instead
+            # of a SIGBUS at the first write through the mapping.
+            os.posix_fallocate(fd, 0, size)
+        stat = os.fstat(fd)
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return mm, stat.st_ino
+    except BaseException:
+        if flags & os.O_CREAT:
+            os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+def _close_map(mm: mmap.mmap) -> None:
+    # NOTE: BufferError: arrays still view it; it is unmapped when the last one is garbage collected.
+    with contextlib.suppress(BufferError):
+        mm.close()
+
+
+def _unlink_paths(paths: set[str], pid: int) -> None:
+    if os.getpid() != pid:
+        return  # NOTE: a forked child inherits the finalizer but does not own the segments.
+    for path in list(paths):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    paths.clear()
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    owner: str
+    segment: str
+    offset: int
+    nbytes: int
+    slot_id: int
+    dtype: str
+    shape: tuple[int, ...]
+    # NOTE: overflow segments are mapped per view and never cached: they are unlinked on ack.
+    is_overflow: bool = False
+
+    def to_wire(self) -> list[Any]:
+        return [self.owner, self.segment, self.offset, self.nbytes, self.slot_id, self.dtype,
+                list(self.shape), self.is_overflow]
+
+    @classmethod
+    def from_wire(cls, items: list[Any]) -> ShmRef:
+        owner, segment, offset, nbytes, slot_id, dtype, shape, is_overflow = items
+        return cls(owner, segment, offset, nbytes, slot_id, dtype, tuple(shape), is_overflow)
+
+
+@dataclass
+class _Slot:
+    consumer: str
+    offset: int
+    size: int
+    overflow: tuple[str, mmap.mmap] | None = None
+
+
+class ShmSlab(ProducerTransport):
+    """Producer side: first-fit free list (coalescing, 64-byte aligned) over one prefaulted segment."""
+
+    def __init__(self, launch_id: str, owner: str, capacity_bytes: int, shm_dir: str = SHM_DIR) -> None:
+        _check_ids(launch_id, owner)
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.launch_id = launch_id
+        self.owner = owner
+        self.shm_dir = shm_dir
+        self.capacity_bytes = -(-capacity_bytes // ALIGN) * ALIGN
+        self._lock = threading.Lock()
+        self._live_paths: set[str] = set()
+        self._finalizer = weakref.finalize(self, _unlink_paths, self._live_paths, os.getpid())
+        self._segment_ids = itertools.count()
+        self._slot_ids = itertools.count()
+        self._slots: dict[int, _Slot] = {}
+        self._free: list[tuple[int, int]] = [(0, self.capacity_bytes)]  # (offset, size) sorted by offset
+        self._num_used_bytes = 0
+        self.num_overflow_puts = 0
+        self.segment, self._mm = self._create_segment(self.capacity_bytes)
+        # NOTE: touch every page once so the first puts do not pay page faults.
+        np.frombuffer(self._mm, dtype=np.uint8)[::_PAGE] = 0
+
+    @property
+    def num_live_slots(self) -> int:
+        return len(self._slots)
+
+    @property
+    def num_used_bytes(self) -> int:
+        """Bytes reserved by live slots (aligned sizes), overflow segments included."""
+        return self._num_used_bytes
+
+    def _create_segment(self, size: int) -> tuple[str, mmap.mmap]:
+        name = segment_name(self.launch_id, self.owner, next(self._segment_ids))
+        path = os.path.join(self.shm_dir, name)
+        self._live_paths.add(path)
+        try:
+            return name, _map_file(path, size)[0]
+        except BaseException:
+            self._live_paths.discard(path)
+            raise
+
+    def _drop_segment(self, name: str, mm: mmap.mmap) -> None:
+        _close_map(mm)
+        path = os.path.join(self.shm_dir, name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        self._live_paths.discard(path)
+
+    def _alloc(self, size: int) -> int | None:
+        for i, (offset, free_size) in enumerate(self._free):
+            if free_size >= size:
+                if free_size == size:
+                    del self._free[i]
+                else:
+                    self._free[i] = (offset + size, free_size - size)
+                return offset
+        return None
+
+    def _free_region(self, offset: int, size: int) -> None:
+        i = bisect.bisect_left(self._free, (offset, 0))
+        if i < len(self._free) and offset + size == self._free[i][0]:  # merge with the next region
+            size += self._free.pop(i)[1]
+        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge with the previous
+            offset, prev_size = self._free[i - 1]
+            self._free[i - 1] = (offset, prev_size + size)
+        else:
+            self._free.insert(i, (offset, size))
+
+    def put(self, x: np.ndarray | torch.Tensor, consumer: str) -> ShmRef:
+        if self._mm.closed:
+            raise RuntimeError(f"slab {self.segment} is closed")
+        name, src = to_numpy(x)
+        nbytes = int(src.nbytes)
+        size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+        with self._lock:
+            offset = self._alloc(size)
+            slot_id = next(self._slot_ids)
+        # NOTE: an overflow segment (fallocate of the whole tensor) is created outside the lock so acks
+        # from other threads are not held up.
+        overflow = self._create_segment(size) if offset is None else None
+        with self._lock:
+            self._slots[slot_id] = _Slot(consumer, offset or 0, size, overflow)
+            self._num_used_bytes += size
+            self.num_overflow_puts += overflow is not None
+        segment, mm = overflow if overflow is not None else (self.segment, self._mm)
+        try:
+            dst = np.frombuffer(mm, dtype=src.dtype, count=src.size, offset=offset or 0).reshape(src.shape)
+            np.copyto(dst, src, casting="no")  # NOTE: one pass, also for non-contiguous sources.
+            del dst
+        except BaseException:
+            self.ack([slot_id])
+            raise
+        return ShmRef(self.owner, segment, offset or 0, nbytes, slot_id, name,
+                      tuple(int(s) for s in src.shape), overflow is not None)
+
+    def _release(self, slot: _Slot) -> None:
+        self._num_used_bytes -= slot.size
+        if slot.overflow is not None:
+            self._drop_segment(*slot.overflow)
+        else:
+            self._free_region(slot.offset, slot.size)
+
+    def ack(self, slot_ids: Iterable[int]) -> None:
+        with self._lock:
+            for slot_id in slot_ids:
+                # NOTE: an ack may arrive after release_consumer already freed the slot: ignore it.
+                slot = self._slots.pop(int(slot_id), None)
+                if slot is not None:
+                    self._release(slot)
+
+    def release_consumer(self, consumer: str) -> int:
+        with self._lock:
+            slot_ids = [sid for sid, slot in self._slots.items() if slot.consumer == consumer]
+            for slot_id in slot_ids:
+                self._release(self._slots.pop(slot_id))
+        return len(slot_ids)
+
+    def close(self) -> None:
+        with self._lock:
+            for slot in self._slots.values():
+                if slot.overflow is not None:
+                    self._drop_segment(*slot.overflow)
+            self._slots.clear()
+            self._free = [(0, self.capacity_bytes)]
+            self._num_used_bytes = 0
+            if not self._mm.closed:
+                self._drop_segment(self.segment, self._mm)
+            self._finalizer()
+
+    def __enter__(self) -> ShmSlab:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ShmReader(ConsumerTransport):
+    """Consumer side: maps each producer's slab once; overflow segments are mapped per view."""
+
+    def __init__(self, shm_dir: str = SHM_DIR) -> None:
+        self.shm_dir = shm_dir
+        self._maps: dict[str, tuple[str, mmap.mmap, int]] = {}  # segment -> (owner, mapping, inode)
+
+    @property
+    def mapped_segments(self) -> list[str]:
+        return sorted(self._maps)
+
+    def _mapping(self, ref: ShmRef) -> mmap.mmap:
+        path = os.path.join(self.shm_dir, ref.segment)
+        if ref.is_overflow:
+            return _map_file(path)[0]
+        entry = self._maps.get(ref.segment)
+        # NOTE: a restarted producer recreates its slab under the same name; one stat tells them apart.
+        if entry is not None and os.stat(path).st_ino != entry[2]:
+            _close_map(self._maps.pop(ref.segment)[1])
+            entry = None
+        if entry is None:
+            mm, inode = _map_file(path)
+            entry = self._maps[ref.segment] = (ref.owner, mm, inode)
+        return entry[1]
+
+    def view(self, ref: ShmRef, as_torch: bool = False) -> np.ndarray | torch.Tensor:
+        """Zero-copy, writable array over the slot: valid until the slot is acked."""
+        expected = math.prod(ref.shape) * numpy_dtype(ref.dtype).itemsize
+        if ref.nbytes != expected:
+            raise ValueError(f"ShmRef nbytes={ref.nbytes} does not match {ref.dtype}{list(ref.shape)}")
+        mm = self._mapping(ref)
+        if ref.offset < 0 or ref.offset + ref.nbytes > len(mm):
+            raise ValueError(f"ShmRef [{ref.offset}, +{ref.nbytes}) is outside {ref.segment} ({len(mm)} B)")
+        # NOTE: the view keeps its mapping alive; an overflow mapping is unmapped with its last view.
+        buf = memoryview(mm)[ref.offset:ref.offset + ref.nbytes]
+        return from_buffer(buf, ref.dtype, ref.shape, as_torch)
+
+    def get(self, ref: Any, as_torch: bool = False) -> np.ndarray | torch.Tensor:
+        return self.view(ref, as_torch)
+
+    def forget_owner(self, owner: str) -> None:
+        for segment in [s for s, (o, _, _) in self._maps.items() if o == owner]:
+            _close_map(self._maps.pop(segment)[1])
+
+    def close(self) -> None:
+        for _, mm, _ in self._maps.values():
+            _close_map(mm)
+        self._maps.clear()
