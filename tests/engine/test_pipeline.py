@@ -105,3 +105,24 @@ def test_client_leaving_early_aborts_the_request(numeric: Pipeline) -> None:
     stats = numeric.run(scenario())
     assert all(ids == [] for r in stats.values() for ids in r.active.values())
     assert numeric.coordinator.num_inflight == 0
+
+
+def test_malformed_control_messages_are_dropped_without_harm(numeric: Pipeline) -> None:
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    try:
+        for process in ("framer", "transform", "coord"):
+            sock = ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 1000)
+            sock.connect(numeric.coordinator.endpoints.inboxes[process])
+            for junk in (b"", b"\xc1garbage", msgpack.packb([99, "x"]), msgpack.packb([0, "only-one-field"]),
+                         msgpack.packb({"not": "a list"})):
+                sock.send(junk)
+            sock.close()
+    finally:
+        ctx.term()
+    signal = np.arange(FRAME_LEN * 2, dtype=np.float32)
+    check_outputs(numeric.collect({"signal": signal}), signal)
+    assert numeric.coordinator.is_ready

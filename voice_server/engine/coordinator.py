@@ -254,6 +254,7 @@ class Coordinator:
                 msg, refs = self.codec.decode(data)
             except MessageError as exc:
                 log.warning("dropped a message: %s", exc)
+                self._ack(exc.refs)
                 continue
             try:
                 self._dispatch(msg, refs)

@@ -132,7 +132,11 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 
 
 class MessageError(ValueError):
-    """Bytes on a control socket that are not a valid message."""
+    """Bytes on a control socket that are not a valid message; `refs` must still be acked."""
+
+    def __init__(self, message: str, refs: list[ShmRef] | None = None) -> None:
+        super().__init__(message)
+        self.refs = refs or []
 
 
 @dataclass
@@ -153,12 +157,14 @@ class Codec:
 
     def decode(self, data: bytes) -> tuple[Message, list[ShmRef]]:
         try:
-            obj, refs = unpack(data, self.reader, as_torch=self.as_torch)
+            obj, any_refs = unpack(data, self.reader, as_torch=self.as_torch)
         except Exception as exc:  # malformed msgpack or a reference into a vanished segment
             raise MessageError(f"undecodable control message: {exc}") from exc
-        if not isinstance(obj, list) or not obj or not isinstance(obj[0], int) or obj[0] > self.MAX_TAG:
-            raise MessageError("control message without a valid tag")
+        # NOTE: the engine reads through ShmReader only, so every reference is an ShmRef.
+        refs = [r for r in any_refs if isinstance(r, ShmRef)]
+        if not isinstance(obj, list) or not obj or not isinstance(obj[0], int) or not 0 <= obj[0] <= self.MAX_TAG:
+            raise MessageError("control message without a valid tag", refs)
         cls = _TYPES[obj[0]]
         if len(obj) - 1 != len(_FIELDS[cls]):
-            raise MessageError(f"{cls.__name__}: expected {len(_FIELDS[cls])} fields, got {len(obj) - 1}")
+            raise MessageError(f"{cls.__name__}: expected {len(_FIELDS[cls])} fields, got {len(obj) - 1}", refs)
         return cls(*obj[1:]), refs

@@ -173,6 +173,7 @@ class StageShell:
             msg, refs = self.codec.decode(sock.recv())
         except MessageError as exc:
             log.warning("dropped a message: %s", exc)
+            self._ack(exc.refs)
             return None
         self._ack(refs)
         return msg
@@ -182,6 +183,7 @@ class StageShell:
             msg, refs = self.codec.decode(data)
         except MessageError as exc:
             log.warning("dropped a message: %s", exc)
+            self._ack(exc.refs)
             return
         if isinstance(msg, (NewRequest, StreamChunk, StreamDone)):
             self._on_work(msg, refs)
