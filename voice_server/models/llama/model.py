@@ -1,0 +1,144 @@
+"""Dense decoder (Llama / SmolLM2 / Qwen2 / Qwen3-dense) with transformers' parameter names.
+
+The model runs one forward per call on explicit positions and an explicit `KVCache`; generation
+loops live elsewhere (`generate.py` for tests and benchmarks, the runner in the server).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from voice_server.models.layers import (
+    Attention,
+    KVCache,
+    RMSNorm,
+    SwiGLU,
+    rope_angles,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from voice_server.models.llama.config import LlamaConfig
+
+
+def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies [head_dim // 2], fp32, with Llama 3 scaling when configured."""
+    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+    if cfg.rope_type != "llama3":
+        return inv_freq
+    # NOTE: same arithmetic as transformers' `_compute_llama3_parameters`, so positions round alike.
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            qkv_bias=cfg.attention_bias,
+            o_bias=cfg.attention_out_bias,
+            qk_norm=cfg.qk_norm,
+            norm_eps=cfg.rms_norm_eps,
+            sliding_window=cfg.layer_sliding_window(layer_idx),
+        )
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: KVCache | None,
+        extra_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, self.layer_idx, extra_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.tie_weights()
+        # NOTE: not a buffer: the model may be built on the meta device and materialised by the
+        # loader, and a buffer would then hold garbage; this is recomputed per device on demand.
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.no_grad()
+    def use_column_major_weights(self) -> None:
+        """Store every fp32 matrix transposed in memory (same [out, in] shape and names, new strides).
+
+        NOTE: single-token decode is bound by reading the weights; with one thread MKL's fp32 GEMV
+        streams an [in, out]-contiguous matrix faster (SmolLM2-135M, AVX2 EPYC: 112-116 -> 88-103 ms
+        per token, identical logits). bf16 is the other way round (about 5x slower): fp32 only. The
+        parameters become non-contiguous views: call `.contiguous()` before saving them.
+        """
+        if any(p.dtype != torch.float32 for p in self.parameters()):
+            raise ValueError("use_column_major_weights needs an fp32 model")
+        for module in self.modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
+        if self.config.tie_word_embeddings:
+            self.tie_weights()
+
+    def make_kv_cache(self) -> KVCache:
+        return KVCache(self.config.num_hidden_layers)
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        device = positions.device
+        inv_freq = self._inv_freq.get(device)
+        if inv_freq is None:
+            inv_freq = self._inv_freq[device] = llama_inv_freq(self.config).to(device)
+        return rope_cos_sin(rope_angles(positions, inv_freq), dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache | None = None,
+        *,
+        extra_mask: torch.Tensor | None = None,
+        is_last_only: bool = False,
+    ) -> torch.Tensor:
+        """input_ids/positions [B, L] -> logits [B, L, V] ([B, 1, V] with `is_last_only`).
+
+        The cache must hold exactly the tokens before these (positions are not checked against it);
+        `extra_mask` (bool [B, 1, L, Lk], True = attend) is ANDed with the causal mask.
+        """
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rope_cos_sin(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, kv_cache, extra_mask)
+        if is_last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.model.norm(x))
