@@ -200,3 +200,27 @@ class Attention(nn.Module):
             mask = mask & extra_mask
         out = sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block shared by Llama, Qwen and the Qwen3-Omni decoders:
+    `x + attn(norm(x))`, then `x + mlp(norm(x))` (dense or MoE `mlp`); HF parameter names."""
+
+    def __init__(self, self_attn: Attention, mlp: nn.Module, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor | None,
+        sin: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        layer_idx: int,
+        extra_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx, extra_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

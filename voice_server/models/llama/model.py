@@ -13,6 +13,7 @@ from torch import nn
 
 from voice_server.models.layers import (
     Attention,
+    DecoderLayer,
     KVCache,
     RMSNorm,
     SwiGLU,
@@ -40,42 +41,27 @@ def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            qkv_bias=cfg.attention_bias,
-            o_bias=cfg.attention_out_bias,
-            qk_norm=cfg.qk_norm,
-            norm_eps=cfg.rms_norm_eps,
-            sliding_window=cfg.layer_sliding_window(layer_idx),
-        )
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache | None,
-        extra_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, self.layer_idx, extra_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def create_decoder_layer(cfg: LlamaConfig, layer_idx: int) -> DecoderLayer:
+    attn = Attention(
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        qkv_bias=cfg.attention_bias,
+        o_bias=cfg.attention_out_bias,
+        qk_norm=cfg.qk_norm,
+        norm_eps=cfg.rms_norm_eps,
+        sliding_window=cfg.layer_sliding_window(layer_idx),
+    )
+    mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+    return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(create_decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -137,8 +123,8 @@ class LlamaForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions, x.dtype)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, kv_cache, extra_mask)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv_cache, i, extra_mask)
         if is_last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

@@ -13,6 +13,7 @@ from torch import nn
 
 from voice_server.models.layers import (
     Attention,
+    DecoderLayer,
     KVCache,
     RMSNorm,
     SwiGLU,
@@ -24,29 +25,19 @@ from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
 from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_tokens
 
 
-class CodePredictorLayer(nn.Module):
-    def __init__(self, cfg: CodePredictorConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            qk_norm=True, norm_eps=cfg.rms_norm_eps, sliding_window=cfg.layer_window(layer_idx),
-        )
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, layer_idx: int
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def create_decoder_layer(cfg: CodePredictorConfig, layer_idx: int) -> DecoderLayer:
+    attn = Attention(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        qk_norm=True, norm_eps=cfg.rms_norm_eps, sliding_window=cfg.layer_window(layer_idx),
+    )
+    return DecoderLayer(attn, SwiGLU(cfg.hidden_size, cfg.intermediate_size), cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CodePredictorModel(nn.Module):
     def __init__(self, cfg: CodePredictorConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.layers = nn.ModuleList(CodePredictorLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(create_decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # codec_embedding[k - 1] embeds code k (k = 1..G-1); code 0 uses the talker's own table.
         self.codec_embedding = nn.ModuleList(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from voice_server.models.layers import Attention, KVCache, RMSNorm
+from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
@@ -24,38 +24,23 @@ from voice_server.models.qwen3_omni.talker.sampling import (
 )
 
 
-class TalkerDecoderLayer(nn.Module):
-    def __init__(self, cfg: TalkerConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            qk_norm=True, norm_eps=cfg.rms_norm_eps,
-        )
-        # NOTE: every talker layer is MoE with the gated shared expert (HF ignores mlp_only_layers here).
-        self.mlp = SparseMoeBlock(
-            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-            cfg.is_norm_topk_prob, shared_intermediate_size=cfg.shared_expert_intermediate_size,
-        )
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache | None,
-        layer_idx: int,
-        key_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx, key_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def create_decoder_layer(cfg: TalkerConfig) -> DecoderLayer:
+    attn = Attention(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        qk_norm=True, norm_eps=cfg.rms_norm_eps,
+    )
+    # NOTE: every talker layer is MoE with the gated shared expert (HF ignores mlp_only_layers here).
+    mlp = SparseMoeBlock(
+        cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+        cfg.is_norm_topk_prob, shared_intermediate_size=cfg.shared_expert_intermediate_size,
+    )
+    return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TalkerModel(nn.Module):
     def __init__(self, cfg: TalkerConfig) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(TalkerDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(create_decoder_layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.codec_embedding = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = MRoPE(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from voice_server.models.layers import Attention, KVCache, RMSNorm, SwiGLU
+from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm, SwiGLU
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig, ThinkerTextConfig
@@ -29,35 +29,20 @@ class ThinkerOutput:
     last_hidden: torch.Tensor  # [B, L, H]: after the final norm
 
 
-class ThinkerDecoderLayer(nn.Module):
-    def __init__(self, cfg: ThinkerTextConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(
-            cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-            qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True, norm_eps=cfg.rms_norm_eps,
+def create_decoder_layer(cfg: ThinkerTextConfig, layer_idx: int) -> DecoderLayer:
+    attn = Attention(
+        cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
+        qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, qk_norm=True, norm_eps=cfg.rms_norm_eps,
+    )
+    mlp: SparseMoeBlock | SwiGLU
+    if cfg.is_moe_layer(layer_idx):
+        mlp = SparseMoeBlock(
+            cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+            cfg.norm_topk_prob,
         )
-        self.mlp: SparseMoeBlock | SwiGLU
-        if cfg.is_moe_layer(layer_idx):
-            self.mlp = SparseMoeBlock(
-                cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                cfg.norm_topk_prob,
-            )
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: KVCache | None,
-        layer_idx: int,
-        extra_mask: torch.Tensor | None,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx, extra_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    else:
+        mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+    return DecoderLayer(attn, mlp, cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class ThinkerTextModel(nn.Module):
@@ -65,7 +50,7 @@ class ThinkerTextModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([ThinkerDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList([create_decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
