@@ -14,9 +14,9 @@ from torch import nn
 
 from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
+from voice_server.models.qwen3_omni.mrope import MRoPE
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
-from voice_server.models.qwen3_omni.talker.rope import MRoPE
 from voice_server.models.qwen3_omni.talker.sampling import (
     TalkerSampling,
     apply_repetition_penalty,

@@ -17,8 +17,8 @@ from torch import nn
 from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm, SwiGLU
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
+from voice_server.models.qwen3_omni.mrope import MRoPE
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig, ThinkerTextConfig
-from voice_server.models.qwen3_omni.thinker.rope import mrope_cos_sin
 
 
 @dataclass
@@ -52,6 +52,7 @@ class ThinkerTextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([create_decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = MRoPE(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
 
 class ThinkerBody(nn.Module):
@@ -119,8 +120,7 @@ class ThinkerModel(nn.Module):
             raise ValueError(f"accept_hidden_layer={accept_hidden_layer} is outside [0, {num_layers}]")
         if inputs_embeds is None:
             inputs_embeds = self.embed(input_ids, audio_embeds)
-        tc = self.cfg.text
-        cos, sin = mrope_cos_sin(position_ids, tc.head_dim, tc.rope_theta, tc.mrope_section, inputs_embeds.dtype)
+        cos, sin = text.rotary(position_ids, inputs_embeds.dtype)
         extra_mask = None if attention_mask is None else _padding_mask(attention_mask, inputs_embeds.shape[1])
         x = inputs_embeds
         accepted = x if accept_hidden_layer == 0 else None

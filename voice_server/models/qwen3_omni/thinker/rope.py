@@ -1,4 +1,4 @@
-"""Multimodal RoPE of the Qwen3-Omni thinker (and talker): 3-axis (t, h, w) positions, interleaved.
+"""Multimodal RoPE positions of the Qwen3-Omni thinker: 3-axis (t, h, w), interleaved (see `mrope.py`).
 
 Positions for text + audio follow transformers' `get_rope_index`: audio tokens advance the position by one
 each, like text, so a text + audio prompt gets `0 .. n-1` on all three axes (vision is not built here, and
@@ -9,26 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from voice_server.models.layers import rope_cos_sin, rope_inv_freq
 from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
-
-
-def mrope_cos_sin(
-    position_ids: torch.Tensor, head_dim: int, theta: float, mrope_section: tuple[int, ...], dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, L, head_dim] for positions [3, B, L] (t, h, w).
-
-    Interleaved layout: rotary pair i takes its angle from the h axis when i % 3 == 1 and
-    i < 3 * mrope_section[1], from w when i % 3 == 2 and i < 3 * mrope_section[2], else from t.
-    """
-    inv_freq = rope_inv_freq(head_dim, theta).to(position_ids.device)
-    freqs = position_ids.to(torch.float32)[..., None] * inv_freq  # [3, B, L, head_dim // 2]
-    angles = freqs[0].clone()
-    for axis in (1, 2):
-        idx = slice(axis, 3 * mrope_section[axis], 3)
-        angles[..., idx] = freqs[axis, ..., idx]
-    return rope_cos_sin(angles, dtype)
 
 
 def _check_audio_blocks(tokens: list[int], audio_lens: list[int], cfg: ThinkerConfig) -> int:

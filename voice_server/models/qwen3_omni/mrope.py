@@ -1,6 +1,6 @@
-"""Interleaved multimodal RoPE (M-RoPE) as the Qwen3-Omni talker uses it.
+"""Interleaved multimodal RoPE (M-RoPE) of the Qwen3-Omni thinker and talker.
 
-NOTE: a local variant because `layers.py` only has 1-D RoPE. Frequency slot i takes its angle from
+3-axis (t, h, w) positions; layers.py has only 1-D RoPE. Frequency slot i takes its angle from
 the t, h or w position: slots 1, 4, 7, .. (< 3 * section[1]) use h, slots 2, 5, 8, .. (< 3 * section[2])
 use w, every other slot uses t (transformers' `recomposition_frequencies`).
 """
@@ -12,7 +12,7 @@ import torch
 from voice_server.models.layers import rope_cos_sin, rope_inv_freq
 
 
-def mrope_axis_index(head_dim: int, mrope_section: tuple[int, int, int]) -> torch.Tensor:
+def mrope_axis_index(head_dim: int, mrope_section: tuple[int, ...]) -> torch.Tensor:
     """Which position axis (0 = t, 1 = h, 2 = w) drives each of the head_dim // 2 frequency slots."""
     axis = torch.zeros(head_dim // 2, dtype=torch.long)
     for dim, offset in ((1, 1), (2, 2)):
@@ -32,7 +32,7 @@ def as_mrope_positions(positions: torch.Tensor) -> torch.Tensor:
 class MRoPE(torch.nn.Module):
     # NOTE: tables are cached per device instead of registered as buffers, so a model built on the
     # meta device and then loaded with `assign=True` never keeps meta-valued rope tables.
-    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, int, int]) -> None:
+    def __init__(self, head_dim: int, theta: float, mrope_section: tuple[int, ...]) -> None:
         super().__init__()
         self.head_dim, self.theta, self.mrope_section = head_dim, theta, mrope_section
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
