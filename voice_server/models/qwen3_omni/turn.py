@@ -15,13 +15,13 @@ import torch
 from voice_server.models.layers import KVCache
 from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.loading import load_part
 from voice_server.models.qwen3_omni.talker.generate import generate_frames
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.thinker.rope import decode_position_ids, get_rope_index
-from voice_server.models.qwen3_omni.weights import build_on_meta, load_weights
 
 
 @dataclass(frozen=True)
@@ -56,19 +56,26 @@ def turn_token_ids(cfg: Qwen3OmniConfig) -> TurnTokenIds:
     )
 
 
-def load_turn_models(ckpt_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> TurnModels:
-    """Build the three stages on the meta device and fill them from a checkpoint folder (released layout
-    or `save_pretrained` output). The vision tower is not built, so its tensors are skipped."""
-    ckpt_dir = Path(ckpt_dir)
-    cfg = Qwen3OmniConfig.from_json_file(ckpt_dir)
-    thinker = build_on_meta(ThinkerModel, cfg.thinker)
-    load_weights(thinker, ckpt_dir, "thinker.", dtype, device=device,
-                 ignore_prefixes=ThinkerModel.IGNORED_STATE_PREFIXES)
-    talker = build_on_meta(Talker, cfg.talker)
-    load_weights(talker, ckpt_dir, "talker.", dtype, device=device)
-    code2wav = build_on_meta(Code2Wav, cfg.code2wav)
-    load_weights(code2wav, ckpt_dir, "code2wav.", dtype, device=device)
-    return TurnModels(cfg, thinker.eval(), talker.eval(), code2wav.eval())
+def load_turn_models(
+    ckpt_dir: str | Path | None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    *,
+    load_format: str = "auto",
+    cfg: Qwen3OmniConfig | None = None,
+    seed: int = 0,
+) -> TurnModels:
+    """All three parts, from a checkpoint folder (config from its config.json) or, with
+    `load_format="dummy"`, seeded random weights for `cfg`. The vision tower is not built."""
+    if cfg is None:
+        if ckpt_dir is None:
+            raise ValueError("give a checkpoint directory or a config")
+        cfg = Qwen3OmniConfig.from_json_file(Path(ckpt_dir))
+    parts = [load_part(p, cfg, ckpt_dir, load_format=load_format, dtype=dtype, device=device, seed=seed)
+             for p in ("thinker", "talker", "code2wav")]
+    thinker, talker, code2wav = parts
+    assert isinstance(thinker, ThinkerModel) and isinstance(talker, Talker) and isinstance(code2wav, Code2Wav)
+    return TurnModels(cfg, thinker, talker, code2wav)
 
 
 @torch.no_grad()

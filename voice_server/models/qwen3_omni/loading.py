@@ -1,0 +1,54 @@
+"""Build one Qwen3-Omni part (thinker, talker, code2wav) from a checkpoint or as `load_format: dummy`.
+
+Each serving stage loads only its own part: a stage never holds the other parts' weights.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from torch import nn
+
+from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.models.qwen3_omni.weights import build_on_meta, init_dummy_weights, load_weights
+
+Part = Literal["thinker", "talker", "code2wav"]
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_part(
+    part: Part,
+    cfg: Qwen3OmniConfig,
+    ckpt_dir: str | Path | None = None,
+    *,
+    load_format: str = "auto",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    seed: int = 0,
+) -> nn.Module:
+    """`auto` reads `ckpt_dir` (released sharded layout or `save_pretrained` output), memory-mapped
+    into a meta-built module; `dummy` draws seeded random weights of the right shapes."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    module: nn.Module
+    ignore: tuple[str, ...] = ()
+    if part == "thinker":
+        module, ignore = build_on_meta(ThinkerModel, cfg.thinker), ThinkerModel.IGNORED_STATE_PREFIXES
+    elif part == "talker":
+        module = build_on_meta(Talker, cfg.talker)
+    elif part == "code2wav":
+        module = build_on_meta(Code2Wav, cfg.code2wav)
+    else:
+        raise ValueError(f"part must be thinker, talker or code2wav, got {part!r}")
+    if load_format == "dummy":
+        init_dummy_weights(module, seed, dtype, device=device)
+    else:
+        if ckpt_dir is None:
+            raise ValueError("load_format 'auto' needs a checkpoint directory")
+        load_weights(module, Path(ckpt_dir), f"{part}.", dtype, device=device, ignore_prefixes=ignore)
+    return module.eval()
