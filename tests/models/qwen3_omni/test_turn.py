@@ -7,7 +7,6 @@ The tiny HF model is written with `save_pretrained` (the released on-disk layout
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +83,9 @@ def test_text_prompt_turn_matches_hf(models: tuple[torch.nn.Module, TurnModels])
     input_ids = torch.tensor([tiny_prompt_ids(num_user_text=6)])
     torch.manual_seed(0)
     ref_out = _hf_turn(ref, input_ids)
-    start = time.perf_counter()
     got = run_greedy_turn(ours, input_ids, MAX_NEW_TOKENS, MAX_FRAMES)
-    elapsed = time.perf_counter() - start
     _check(got, ref_out)
     assert got.text_ids.shape[1] > input_ids.shape[1] + 1
-    assert elapsed < 5.0, elapsed  # well under a second when the box is not shared
 
 
 def test_audio_prompt_turn_matches_hf(models: tuple[torch.nn.Module, TurnModels]) -> None:
