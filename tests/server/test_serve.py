@@ -14,6 +14,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -55,7 +57,8 @@ def is_alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-def test_serve_health_restart_and_clean_shutdown() -> None:
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
+def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "voice_server.cli", "serve", "--config", str(ROOT / "configs/test_numeric.yaml"),
@@ -80,9 +83,9 @@ def test_serve_health_restart_and_clean_shutdown() -> None:
         assert body["stages"]["sink"]["pid"] != victim and body["stages"]["sink"]["num_restarts"] == 1
         pids.append(body["stages"]["sink"]["pid"])
 
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop_signal)
         # NOTE: uvicorn re-raises the captured signal once shutdown completes.
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -stop_signal)
         time.sleep(0.2)
         assert [pid for pid in pids if is_alive(pid)] == []
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")] == []
