@@ -131,3 +131,15 @@ def test_check_config_reports_errors(tmp_path: Path) -> None:
     assert "device cpu is over budget" in out.stderr and "a=0.8, b=0.8" in out.stderr
     out = run_cli("check-config", str(tmp_path / "missing.yaml"))
     assert out.returncode == 2 and "cannot read pipeline config" in out.stderr
+
+
+def test_fan_in_is_refused() -> None:
+    raw = base()
+    raw["stages"][0]["stream_to"] = ["b"]  # a -> b twice (next and stream_to)
+    with pytest.raises(ConfigError, match="stage 'b': field 'name': has several upstream stages"):
+        pipeline_from_dict(raw)
+    raw = base()
+    raw["stages"].insert(1, {"name": "c", "factory": F, "next": "b"})
+    raw["stages"][0]["stream_to"] = ["c"]
+    with pytest.raises(ConfigError, match=r"has several upstream stages \(a, c\)"):
+        pipeline_from_dict(raw)  # a -> b and a -> c -> b

@@ -147,6 +147,17 @@ class PipelineConfig:
                 raise _fail(f"stage '{stage.name}'", "next", "a stage cannot route to itself")
             if not stage.targets and not stage.terminal:
                 raise _fail(f"stage '{stage.name}'", "terminal", "a stage with no next/stream_to must be terminal")
+        upstream: dict[str, str] = {}
+        for stage in self.stages:
+            for target in stage.targets:
+                # NOTE: a stage sees each request once (one new_request, one stream); fan-in would
+                # need a join policy the engine does not have.
+                if target in upstream:
+                    raise _fail(
+                        f"stage '{target}'", "name",
+                        f"has several upstream stages ({upstream[target]}, {stage.name}); fan-in is not supported",
+                    )
+                upstream[target] = stage.name
         self._check_acyclic(by_name)
         reachable = self.reachable_from(self.entry_stage)
         for stage in self.stages:

@@ -69,7 +69,11 @@ def configure(sock: zmq.Socket) -> zmq.Socket:
 
 
 def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies, so a killed server leaves no orphans."""
+    """Ask Linux to SIGTERM this process when its parent dies, so a killed server leaves no orphans.
+
+    NOTE: Linux ties this to the parent *thread* that started the child: start stage processes from
+    a thread that lives as long as the server (the event loop's).
+    """
     if sys.platform.startswith("linux"):
         pr_set_pdeathsig = 1
         libc = ctypes.CDLL(None, use_errno=True)
