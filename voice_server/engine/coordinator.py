@@ -15,7 +15,6 @@ import secrets
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -41,6 +40,7 @@ from voice_server.engine.messages import (
     StatsQuery,
     StatsReply,
 )
+from voice_server.engine.requests import RequestError, RequestState, RequestStream, TerminalOutput
 from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, sweep
 
 log = logging.getLogger("voice_server.coordinator")
@@ -52,56 +52,6 @@ class StartupError(RuntimeError):
     """A stage process failed to load or did not report ready in time."""
 
 
-class RequestError(RuntimeError):
-    """A request failed in some stage (bad input, a stage error, a dead stage process)."""
-
-
-@dataclass(frozen=True)
-class TerminalOutput:
-    request_id: str
-    stage: str
-    payload: dict[str, Any]
-    is_final: bool
-    """The last output of this stage for the request."""
-
-
-@dataclass
-class _Request:
-    queue: asyncio.Queue[TerminalOutput | RequestError | None]
-    pending_terminals: set[str]
-    started_at: float = field(default_factory=time.monotonic)
-
-
-class RequestStream:
-    """Async iterator over one request's terminal outputs; raises RequestError on failure.
-
-    Leaving the iteration early (`aclose`, or the consumer going away) aborts the request.
-    """
-
-    def __init__(self, coordinator: Coordinator, request_id: str, queue: asyncio.Queue[Any]) -> None:
-        self.coordinator, self.request_id, self._queue = coordinator, request_id, queue
-        self.is_done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> TerminalOutput:
-        if self.is_done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, TerminalOutput):
-            return item
-        self.is_done = True
-        if isinstance(item, RequestError):
-            raise item
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        if not self.is_done:
-            self.is_done = True
-            await self.coordinator.abort(self.request_id)
-
-
 class Coordinator:
     def __init__(self, cfg: PipelineConfig, launch_id: str | None = None, max_restarts_per_minute: int = 5) -> None:
         self.cfg = cfg
@@ -111,7 +61,7 @@ class Coordinator:
         self.launcher = Launcher(cfg, self.launch_id, self.budgets, self.endpoints)
         self.max_restarts_per_minute = max_restarts_per_minute
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._stats: dict[int, dict[str, StatsReply]] = {}
         self._nonces = itertools.count()
         self._is_stopping = False
@@ -191,7 +141,7 @@ class Coordinator:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         queue: asyncio.Queue[TerminalOutput | RequestError | None] = asyncio.Queue()
-        self._requests[request_id] = _Request(queue, set(self.cfg.terminal_stages))
+        self._requests[request_id] = RequestState(queue, set(self.cfg.terminal_stages))
         entry = self.cfg.entry_stage
         self._send(self.cfg.stage(entry).process_name, NewRequest(request_id, entry, payload, params or {}))
         return RequestStream(self, request_id, queue)
