@@ -14,7 +14,6 @@ import logging
 import secrets
 import time
 import uuid
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -39,6 +38,7 @@ from voice_server.engine.messages import (
     StartupFailed,
     StatsQuery,
     StatsReply,
+    acks_for,
 )
 from voice_server.engine.requests import RequestError, RequestState, RequestStream, TerminalOutput
 from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, sweep
@@ -191,11 +191,8 @@ class Coordinator:
         self._pub.send(self.codec.encode(msg))
 
     def _ack(self, refs: list[ShmRef]) -> None:
-        by_owner: dict[str, list[int]] = defaultdict(list)
-        for ref in refs:
-            by_owner[ref.owner].append(ref.slot_id)
-        for owner, slot_ids in by_owner.items():
-            self._send(ipc.owner_process(owner), Ack(owner, slot_ids))
+        for ack in acks_for(refs):
+            self._send(ipc.owner_process(ack.owner), ack)
 
     async def _recv_loop(self) -> None:
         while True:

@@ -131,6 +131,14 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 }
 
 
+def acks_for(refs: list[ShmRef]) -> list[Ack]:
+    """One Ack per producer slab for the relay slots a receiver is done with."""
+    by_owner: dict[str, list[int]] = {}
+    for ref in refs:
+        by_owner.setdefault(ref.owner, []).append(ref.slot_id)
+    return [Ack(owner, slot_ids) for owner, slot_ids in by_owner.items()]
+
+
 class MessageError(ValueError):
     """Bytes on a control socket that are not a valid message; `refs` must still be acked."""
 

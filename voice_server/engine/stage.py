@@ -13,7 +13,7 @@ import os
 import signal
 import time
 import traceback
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from voice_server.engine.messages import (
     StatsReply,
     StreamChunk,
     StreamDone,
+    acks_for,
 )
 from voice_server.engine.runtime import StageContext, StageRuntime, create_compute, create_scheduler
 from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
@@ -273,11 +274,8 @@ class StageShell:
         sock.send(self.codec.encode(msg, consumer=process))
 
     def _ack(self, refs: list[ShmRef]) -> None:
-        by_owner: dict[str, list[int]] = defaultdict(list)
-        for ref in refs:
-            by_owner[ref.owner].append(ref.slot_id)
-        for owner, slot_ids in by_owner.items():
-            if owner == self.owner:
-                self.slab.ack(slot_ids)
+        for ack in acks_for(refs):
+            if ack.owner == self.owner:
+                self.slab.ack(ack.slot_ids)
             else:
-                self._send(ipc.owner_process(owner), Ack(owner, slot_ids))
+                self._send(ipc.owner_process(ack.owner), ack)
