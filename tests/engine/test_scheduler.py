@@ -64,14 +64,23 @@ def test_results_end_requests_and_emits_of_aborted_requests_are_dropped() -> Non
     assert sched.active_request_ids == set()
 
 
-def test_failed_batch_errors_each_request_once() -> None:
+def test_failed_batch_retries_each_request_alone_and_errors_only_the_culprit() -> None:
     sched = SimpleScheduler(max_batch_size=8)
     sched.add(new("a"), now=0)
     sched.add(chunk("a", 0), now=0)
     sched.add(new("b"), now=0)
+    sched.add(new("c"), now=1)
     batch = sched.schedule(now=0)
-    assert batch is not None
-    emits = sched.fail(batch, "boom")
-    assert [(e.request_id, e.kind, e.message) for e in emits] == [
-        ("a", EmitKind.ERROR, "boom"), ("b", EmitKind.ERROR, "boom")]
-    assert sched.active_request_ids == set()
+    assert batch is not None and len(batch) == 4
+    assert sched.fail(batch, "boom") == []  # nobody fails yet
+    solo_a = sched.schedule(now=0)
+    assert solo_a is not None
+    assert [(w.request_id, w.kind) for w in solo_a] == [("a", WorkKind.NEW), ("a", WorkKind.CHUNK)]
+    assert sched.update(solo_a, [Emit("a", EmitKind.RESULT)])[0].request_id == "a"
+    solo_b = sched.schedule(now=0)
+    assert solo_b is not None and [w.request_id for w in solo_b] == ["b"]
+    emits = sched.fail(solo_b, "boom")
+    assert [(e.request_id, e.kind, e.message) for e in emits] == [("b", EmitKind.ERROR, "boom")]
+    solo_c = sched.schedule(now=0)
+    assert solo_c is not None and [w.request_id for w in solo_c] == ["c"]
+    assert sched.active_request_ids == {"c"}

@@ -146,3 +146,27 @@ def test_control_plane_over_tcp() -> None:
         pipeline.close()
     assert [o.payload.get("index") for o in outputs] == [0, 1, 2, None]
     np.testing.assert_array_equal(outputs[2].payload["frame"], signal_in[16:])
+
+
+def test_a_raising_batch_fails_only_the_bad_request() -> None:
+    raw = {"name": "echo", "stages": [
+        {"name": "echo", "factory": "voice_server.stages.numeric:create_echo", "terminal": True,
+         "max_batch_size": 8, "batch_window_ms": 200}]}
+    pipeline = Pipeline(pipeline_from_dict(raw))
+
+    async def one(payload: dict[str, Any]) -> Any:
+        try:
+            return [o.payload async for o in pipeline.coordinator.submit(payload)]
+        except RequestError as exc:
+            return exc
+
+    async def scenario() -> list[Any]:
+        # The 200 ms window puts all three in one batch, which raises because of the middle one.
+        return await asyncio.gather(one({"n": 1}), one({"n": 2, "poison": True}), one({"n": 3}))
+
+    try:
+        good1, bad, good3 = pipeline.run(scenario())
+    finally:
+        pipeline.close()
+    assert good1 == [{"n": 1}] and good3 == [{"n": 3}]
+    assert isinstance(bad, RequestError) and "ValueError: poisoned input" in str(bad)

@@ -20,6 +20,8 @@ class SimpleScheduler(BaseScheduler):
         self.batch_window_s = batch_window_s
         self._queue: deque[tuple[float, WorkItem]] = deque()
         self._active: set[str] = set()
+        self._solo: deque[list[WorkItem]] = deque()
+        """One-request batches to run first: the members of a batch that raised, retried alone."""
 
     def add(self, item: WorkItem, now: float) -> None:
         if item.kind is WorkKind.NEW:
@@ -32,9 +34,12 @@ class SimpleScheduler(BaseScheduler):
         held = request_id in self._active
         self._active.discard(request_id)
         self._queue = deque(e for e in self._queue if e[1].request_id != request_id)
+        self._solo = deque(b for b in self._solo if b[0].request_id != request_id)
         return held
 
     def next_wakeup(self, now: float) -> float | None:
+        if self._solo:
+            return 0.0
         if not self._queue:
             return None
         if len(self._queue) >= self.max_batch_size:
@@ -42,6 +47,8 @@ class SimpleScheduler(BaseScheduler):
         return max(0.0, self._queue[0][0] + self.batch_window_s - now)
 
     def schedule(self, now: float) -> list[WorkItem] | None:
+        if self._solo:
+            return self._solo.popleft()
         wait = self.next_wakeup(now)
         if wait is None or wait > 0:
             return None
@@ -60,10 +67,18 @@ class SimpleScheduler(BaseScheduler):
         return emits
 
     def fail(self, batch: list[WorkItem], message: str) -> list[Emit]:
-        failed = dict.fromkeys(item.request_id for item in batch if item.request_id in self._active)
-        for request_id in failed:
+        by_request: dict[str, list[WorkItem]] = {}
+        for item in batch:
+            if item.request_id in self._active:
+                by_request.setdefault(item.request_id, []).append(item)
+        if len(by_request) > 1:
+            # NOTE: one bad input must not fail the requests batched with it: retry each alone, in
+            # order, before anything else; only a request that fails on its own gets an error.
+            self._solo.extendleft(reversed(list(by_request.values())))
+            return []
+        for request_id in by_request:
             self.abort(request_id)
-        return [Emit(rid, EmitKind.ERROR, message=message) for rid in failed]
+        return [Emit(rid, EmitKind.ERROR, message=message) for rid in by_request]
 
     @property
     def active_request_ids(self) -> set[str]:

@@ -94,9 +94,12 @@ def create_sink(ctx: StageContext) -> ChunkMap:
 
 
 class Echo:
-    """Returns each new request's payload as its result (relay round trips through the engine)."""
+    """Returns each new request's payload as its result (relay round trips through the engine).
+    A payload with `poison` set makes the whole batch raise (failure isolation tests)."""
 
     def execute(self, batch: list[WorkItem]) -> list[Emit]:
+        if any(i.payload.get("poison") for i in batch):
+            raise ValueError("poisoned input")
         return [Emit(i.request_id, EmitKind.RESULT, dict(i.payload)) for i in batch if i.kind is WorkKind.NEW]
 
     def release(self, request_id: str) -> None:
