@@ -126,3 +126,18 @@ def test_malformed_control_messages_are_dropped_without_harm(numeric: Pipeline) 
     signal = np.arange(FRAME_LEN * 2, dtype=np.float32)
     check_outputs(numeric.collect({"signal": signal}), signal)
     assert numeric.coordinator.is_ready
+
+
+def test_unencodable_payload_is_refused_without_leaking(numeric: Pipeline) -> None:
+    coordinator = numeric.coordinator
+
+    async def scenario() -> str:
+        try:
+            coordinator.submit({"signal": np.ones(FRAME_LEN * 4, np.float32), "bad": object()})
+        except RequestError as exc:
+            return str(exc)
+        return ""
+
+    assert "cannot be sent" in numeric.run(scenario())
+    assert coordinator.num_inflight == 0
+    assert coordinator.slab.num_live_slots == 0  # the big signal's slot was taken, then given back

@@ -140,10 +140,15 @@ class Coordinator:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        entry = self.cfg.entry_stage
+        process = self.cfg.stage(entry).process_name
+        try:
+            data = self.codec.encode(NewRequest(request_id, entry, payload, params or {}), consumer=process)
+        except (TypeError, ValueError, OverflowError) as exc:  # NOTE: pack frees its relay slots itself
+            raise RequestError(f"request payload cannot be sent: {exc}") from exc
         queue: asyncio.Queue[TerminalOutput | RequestError | None] = asyncio.Queue()
         self._requests[request_id] = RequestState(queue, set(self.cfg.terminal_stages))
-        entry = self.cfg.entry_stage
-        self._send(self.cfg.stage(entry).process_name, NewRequest(request_id, entry, payload, params or {}))
+        self._push_socket(process).send(data)
         return RequestStream(self, request_id, queue)
 
     async def abort(self, request_id: str) -> bool:
@@ -179,13 +184,16 @@ class Coordinator:
 
     # -- sockets ---------------------------------------------------------------------------------
 
-    def _send(self, process: str, msg: Message) -> None:
+    def _push_socket(self, process: str) -> zmq.Socket:
         sock = self._push.get(process)
         if sock is None:
             sock = ipc.configure(self._ctx.socket(zmq.PUSH))
             sock.connect(self.endpoints.inboxes[process])
             self._push[process] = sock
-        sock.send(self.codec.encode(msg, consumer=process))
+        return sock
+
+    def _send(self, process: str, msg: Message) -> None:
+        self._push_socket(process).send(self.codec.encode(msg, consumer=process))
 
     def _broadcast(self, msg: Message) -> None:
         self._pub.send(self.codec.encode(msg))
