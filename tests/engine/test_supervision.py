@@ -166,7 +166,12 @@ def test_a_raising_batch_fails_only_the_bad_request() -> None:
 
     try:
         good1, bad, good3 = pipeline.run(scenario())
+        unencodable = pipeline.run(one({"emit_unencodable": True}))
+        after = pipeline.run(one({"n": 4}))
+        assert pipeline.coordinator.is_ready
     finally:
         pipeline.close()
     assert good1 == [{"n": 1}] and good3 == [{"n": 3}]
     assert isinstance(bad, RequestError) and "ValueError: poisoned input" in str(bad)
+    assert isinstance(unencodable, RequestError) and "output cannot be sent" in str(unencodable)
+    assert after == [{"n": 4}]

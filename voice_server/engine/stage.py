@@ -159,7 +159,13 @@ class StageShell:
         else:
             emits = runtime.scheduler.update(batch, result)
         for emit in emits:
-            self._route(runtime, emit)
+            try:
+                self._route(runtime, emit)
+            except (TypeError, ValueError, OverflowError) as exc:
+                # NOTE: a compute that emits something msgpack cannot carry fails that request only.
+                log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, exc)
+                runtime.scheduler.abort(emit.request_id)
+                self._route(runtime, Emit(emit.request_id, EmitKind.ERROR, message=f"output cannot be sent: {exc}"))
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(_MAX_DRAIN):

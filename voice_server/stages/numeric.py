@@ -95,11 +95,14 @@ def create_sink(ctx: StageContext) -> ChunkMap:
 
 class Echo:
     """Returns each new request's payload as its result (relay round trips through the engine).
-    A payload with `poison` set makes the whole batch raise (failure isolation tests)."""
+    A payload with `poison` set makes the whole batch raise, one with `emit_unencodable` emits an
+    object msgpack cannot carry (failure isolation tests)."""
 
     def execute(self, batch: list[WorkItem]) -> list[Emit]:
         if any(i.payload.get("poison") for i in batch):
             raise ValueError("poisoned input")
+        if any(i.payload.get("emit_unencodable") for i in batch):
+            return [Emit(i.request_id, EmitKind.RESULT, {"bad": object()}) for i in batch]
         return [Emit(i.request_id, EmitKind.RESULT, dict(i.payload)) for i in batch if i.kind is WorkKind.NEW]
 
     def release(self, request_id: str) -> None:
