@@ -7,7 +7,7 @@ trip with one message in flight (median/p90); throughput (GB/s) keeps a window o
 flight (as many as the relay's slab holds). Below 16 KiB the relay sends the tensor inline. memcpy is an
 in-process `np.copyto` of the same size plus the same sample read (throughput = size / mean time).
 
-Usage: python loadtest/bench_relay.py [--quick]
+Usage: python loadtest/bench_relay.py [--quick] [--rounds N]
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _row(variant: str, nbytes: int, times: list[float], gbps: float) -> dict[str
     }
 
 
-def _bench_variant(variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int) -> dict[str, Any]:
+def _bench_variant(variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int) -> tuple[list[float], float]:
     tag = uuid.uuid4().hex[:10]
     in_addr, out_addr = f"ipc://@vsbench-{tag}-in", f"ipc://@vsbench-{tag}-out"
     ctx = zmq.Context()
@@ -146,27 +146,34 @@ def _bench_variant(variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int) -
         if proc.is_alive():
             proc.kill()
         ctx.destroy(linger=0)
-    return _row(variant, x.nbytes, times, gbps)
+    return times, gbps
 
 
-def run(quick: bool = False, sizes: tuple[int, ...] = SIZES) -> list[dict[str, Any]]:
+def run(quick: bool = False, sizes: tuple[int, ...] = SIZES, num_rounds: int = 3) -> list[dict[str, Any]]:
+    """NOTE: the variants run in interleaved rounds so a burst of load on the shared box hits all of
+    them; latency pools every round's samples, throughput is the median of the rounds'."""
     iters = QUICK_ITERS if quick else ITERS
-    rows: list[dict[str, Any]] = []
+    times: dict[tuple[int, str], list[float]] = {}
+    gbps: dict[tuple[int, str], list[float]] = {}
     with ShmSlab(uuid.uuid4().hex[:10], "bench", 2 * max(sizes)) as slab:
-        for nbytes in sizes:
-            x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
-            num_iters = iters.get(nbytes, 20)
-            for variant in VARIANTS:
-                rows.append(_bench_variant(variant, x, slab, num_iters))
-            dst = np.empty_like(x)
+        for _ in range(num_rounds):
+            for nbytes in sizes:
+                x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+                num_iters = iters.get(nbytes, 20)
+                for variant in VARIANTS:
+                    t, g = _bench_variant(variant, x, slab, num_iters)
+                    times.setdefault((nbytes, variant), []).extend(t)
+                    gbps.setdefault((nbytes, variant), []).append(g)
+                dst = np.empty_like(x)
 
-            def memcpy(x: np.ndarray = x, dst: np.ndarray = dst) -> None:
-                np.copyto(dst, x)
-                _touch(dst)
+                def memcpy(x: np.ndarray = x, dst: np.ndarray = dst) -> None:
+                    np.copyto(dst, x)
+                    _touch(dst)
 
-            times = _time(memcpy, num_iters, num_warmup=2)
-            rows.append(_row("memcpy", nbytes, times, nbytes / statistics.fmean(times) / 1e9))
-    return rows
+                t = _time(memcpy, num_iters, num_warmup=2)
+                times.setdefault((nbytes, "memcpy"), []).extend(t)
+                gbps.setdefault((nbytes, "memcpy"), []).append(nbytes / statistics.fmean(t) / 1e9)
+    return [_row(v, n, t, statistics.median(gbps[(n, v)])) for (n, v), t in times.items()]
 
 
 def _fmt_size(nbytes: int) -> str:
@@ -196,8 +203,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant")
     args = parser.parse_args()
-    rows = run(quick=args.quick)
+    rows = run(quick=args.quick, num_rounds=args.rounds)
     # NOTE: on a shared box, the load average explains most of the variance between runs.
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
     print(f"{os.cpu_count()} CPUs, load average {load}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")

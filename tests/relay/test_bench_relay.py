@@ -11,7 +11,7 @@ import bench_relay  # noqa: E402
 
 
 def test_bench_relay_quick_run() -> None:
-    rows = bench_relay.run(quick=True, sizes=(64 * 1024,))
+    rows = bench_relay.run(quick=True, sizes=(64 * 1024,), num_rounds=1)
     assert [r["variant"] for r in rows] == ["relay", "msgpack", "pickle", "memcpy"]
     for r in rows:
         assert r["size_bytes"] == 64 * 1024 and r["num_iters"] == 20
