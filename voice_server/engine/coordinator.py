@@ -77,7 +77,7 @@ class Coordinator:
         self._inbox.bind(self.endpoints.inboxes[ipc.COORDINATOR])
         self._pub = ipc.configure(self._ctx.socket(zmq.PUB))
         self._pub.bind(self.endpoints.broadcast)
-        self._push: dict[str, zmq.Socket] = {}
+        self._peers = ipc.Peers(self._ctx, self.endpoints)
         self.slab = ShmSlab(self.launch_id, self.owner, self.cfg.relay_slab_bytes)
         self.reader = ShmReader()
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
@@ -148,7 +148,7 @@ class Coordinator:
             raise RequestError(f"request payload cannot be sent: {exc}") from exc
         queue: asyncio.Queue[TerminalOutput | RequestError | None] = asyncio.Queue()
         self._requests[request_id] = RequestState(queue, set(self.cfg.terminal_stages))
-        self._push_socket(process).send(data)
+        self._peers.get(process).send(data)
         return RequestStream(self, request_id, queue)
 
     async def abort(self, request_id: str) -> bool:
@@ -184,16 +184,8 @@ class Coordinator:
 
     # -- sockets ---------------------------------------------------------------------------------
 
-    def _push_socket(self, process: str) -> zmq.Socket:
-        sock = self._push.get(process)
-        if sock is None:
-            sock = ipc.configure(self._ctx.socket(zmq.PUSH))
-            sock.connect(self.endpoints.inboxes[process])
-            self._push[process] = sock
-        return sock
-
     def _send(self, process: str, msg: Message) -> None:
-        self._push_socket(process).send(self.codec.encode(msg, consumer=process))
+        self._peers.get(process).send(self.codec.encode(msg, consumer=process))
 
     def _broadcast(self, msg: Message) -> None:
         self._pub.send(self.codec.encode(msg))
@@ -313,9 +305,7 @@ class Coordinator:
         self._broadcast(PeerDown(name, owner))
         self.reader.forget_owner(owner)
         self.slab.release_consumer(name)
-        sock = self._push.pop(name, None)
-        if sock is not None:
-            sock.close(linger=0)
+        self._peers.reset(name)
         now = time.monotonic()
         handle.crash_times = [t for t in handle.crash_times if now - t < _RESTART_WINDOW_S] + [now]
         if len(handle.crash_times) > self.max_restarts_per_minute:

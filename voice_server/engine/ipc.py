@@ -78,3 +78,25 @@ def die_with_parent() -> None:
         pr_set_pdeathsig = 1
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+
+class Peers:
+    """PUSH sockets to other processes' inboxes, connected on first use."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: Endpoints) -> None:
+        self.ctx, self.endpoints = ctx, endpoints
+        self._socks: dict[str, zmq.Socket] = {}
+
+    def get(self, process: str) -> zmq.Socket:
+        sock = self._socks.get(process)
+        if sock is None:
+            sock = configure(self.ctx.socket(zmq.PUSH))
+            sock.connect(self.endpoints.inboxes[process])
+            self._socks[process] = sock
+        return sock
+
+    def reset(self, process: str) -> None:
+        """Drop what is queued for a process that died; the next send reconnects to its successor."""
+        sock = self._socks.pop(process, None)
+        if sock is not None:
+            sock.close(linger=0)

@@ -87,7 +87,7 @@ class StageShell:
         self.sub = ipc.configure(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(spec.endpoints.broadcast)
-        self._peers: dict[str, zmq.Socket] = {}
+        self._peers = ipc.Peers(self.ctx, spec.endpoints)
         self.slab = ShmSlab(spec.launch_id, self.owner, self.cfg.relay_slab_bytes)
         self.reader = ShmReader()
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes, as_torch=False)
@@ -205,9 +205,7 @@ class StageShell:
         elif isinstance(msg, PeerDown):
             self.reader.forget_owner(msg.owner)
             self.slab.release_consumer(msg.process)
-            peer = self._peers.pop(msg.process, None)
-            if peer is not None:
-                peer.close(linger=0)  # drop what was queued for the dead process
+            self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
             self._send(ipc.COORDINATOR, StatsReply(
@@ -272,12 +270,7 @@ class StageShell:
         self._send(self.cfg.stage(stage).process_name, msg)
 
     def _send(self, process: str, msg: Message) -> None:
-        sock = self._peers.get(process)
-        if sock is None:
-            sock = ipc.configure(self.ctx.socket(zmq.PUSH))
-            sock.connect(self.spec.endpoints.inboxes[process])
-            self._peers[process] = sock
-        sock.send(self.codec.encode(msg, consumer=process))
+        self._peers.get(process).send(self.codec.encode(msg, consumer=process))
 
     def _ack(self, refs: list[ShmRef]) -> None:
         for ack in acks_for(refs):
