@@ -175,23 +175,26 @@ class StageShell:
                 return
             self._dispatch(data)
 
-    def _recv(self, sock: zmq.Socket) -> Message | None:
+    def _decode(self, data: bytes) -> tuple[Message, list[ShmRef]] | None:
         try:
-            msg, refs = self.codec.decode(sock.recv())
+            return self.codec.decode(data)
         except MessageError as exc:
             log.warning("dropped a message: %s", exc)
             self._ack(exc.refs)
             return None
-        self._ack(refs)
-        return msg
+
+    def _recv(self, sock: zmq.Socket) -> Message | None:
+        decoded = self._decode(sock.recv())
+        if decoded is None:
+            return None
+        self._ack(decoded[1])
+        return decoded[0]
 
     def _dispatch(self, data: bytes) -> None:
-        try:
-            msg, refs = self.codec.decode(data)
-        except MessageError as exc:
-            log.warning("dropped a message: %s", exc)
-            self._ack(exc.refs)
+        decoded = self._decode(data)
+        if decoded is None:
             return
+        msg, refs = decoded
         if isinstance(msg, (NewRequest, StreamChunk, StreamDone)):
             self._on_work(msg, refs)
             return
