@@ -9,6 +9,7 @@ scheduler type.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import time
@@ -87,6 +88,9 @@ class StageShell:
         self.sub = ipc.configure(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(spec.endpoints.broadcast)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sub, zmq.POLLIN)
+        self.poller.register(self.inbox, zmq.POLLIN)
         self._peers = ipc.Peers(self.ctx, spec.endpoints)
         self.slab = ShmSlab(spec.launch_id, self.owner, self.cfg.relay_slab_bytes)
         self.reader = ShmReader()
@@ -135,11 +139,9 @@ class StageShell:
     def _poll_once(self) -> None:
         now = time.monotonic()
         waits = [w for s in self.stages.values() if (w := s.scheduler.next_wakeup(now)) is not None]
-        timeout_ms = int(min(waits) * 1000) if waits else _IDLE_POLL_MS
-        poller = zmq.Poller()
-        poller.register(self.sub, zmq.POLLIN)
-        poller.register(self.inbox, zmq.POLLIN)
-        poller.poll(timeout_ms)
+        # NOTE: round up, or a sub-millisecond batching wait would spin on zero-timeout polls.
+        timeout_ms = math.ceil(min(waits) * 1000) if waits else _IDLE_POLL_MS
+        self.poller.poll(timeout_ms)
         self._drain(self.sub)  # aborts before work
         self._drain(self.inbox)
         if os.getppid() != self._parent_pid:
