@@ -95,7 +95,7 @@ class Coordinator:
             return
         self._is_stopping = True
         for handle in self.launcher.handles.values():
-            if handle.process is not None:
+            if handle.process is not None and handle.process.pid is not None:  # started
                 self._loop.remove_reader(handle.process.sentinel)
         for request_id in list(self._requests):
             self._finish(request_id, RequestError("the server is shutting down"))
