@@ -61,14 +61,20 @@ class ProcessSpec:
     endpoints: ipc.Endpoints
 
 
+def _exit_now(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_stage_process(spec: ProcessSpec) -> None:
     """Entry point of a spawned stage process."""
     # NOTE: Ctrl-C reaches the whole process group; the server shuts stages down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ipc.die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
+    # NOTE: until the stage reports ready, SIGTERM ends the process at once (SystemExit unwinds a
+    # factory that is still loading, and `close` still runs); afterwards it stops the loop cleanly.
+    signal.signal(signal.SIGTERM, _exit_now)
     shell = StageShell(spec)
-    signal.signal(signal.SIGTERM, lambda *_: shell.stop())
     try:
         shell.run()
     finally:
@@ -120,6 +126,7 @@ class StageShell:
             return
         if not self._await_probe():
             return
+        signal.signal(signal.SIGTERM, lambda *_: self.stop())
         self._send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid()))
         while self.is_running:
             self._poll_once()
