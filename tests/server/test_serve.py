@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import all_shm_segments, stage_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,6 +61,7 @@ def is_alive(pid: int) -> bool:
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
     port = free_port()
+    shm_before = all_shm_segments()
     proc = subprocess.Popen(
         [sys.executable, "-m", "voice_server.cli", "serve", "--config", str(ROOT / "configs/test_numeric.yaml"),
          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
@@ -70,25 +72,30 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
         assert body["status"] == "ok"
         assert set(body["stages"]) == {"framer", "transform", "sink"}
         assert all(s["state"] == "ready" for s in body["stages"].values())
-        launch_id = body["launch_id"]
-        pids = [s["pid"] for s in body["stages"].values()]
+        # NOTE: /health publishes no PIDs or launch id; operators find stages by name in `ps`.
+        assert "launch_id" not in body and all("pid" not in s for s in body["stages"].values())
+        stages = stage_processes(proc.pid)
+        assert set(stages) == {"framer", "transform", "sink"}
+        pids = list(stages.values())
 
         # A dead stage makes the server unhealthy until it has been restarted.
-        victim = body["stages"]["sink"]["pid"]
+        victim = stages["sink"]
         os.kill(victim, signal.SIGKILL)
         def restarted(code: int, b: dict[str, Any]) -> bool:
             return code == 200 and b["stages"]["sink"]["generation"] == 1
 
         body = wait_health(port, proc, restarted)
-        assert body["stages"]["sink"]["pid"] != victim and body["stages"]["sink"]["num_restarts"] == 1
-        pids.append(body["stages"]["sink"]["pid"])
+        assert body["stages"]["sink"]["num_restarts"] == 1
+        new_sink = stage_processes(proc.pid)["sink"]
+        assert new_sink != victim
+        pids.append(new_sink)
 
         proc.send_signal(stop_signal)
         # NOTE: uvicorn re-raises the captured signal once shutdown completes.
         assert proc.wait(timeout=30) in (0, -stop_signal)
         time.sleep(0.2)
         assert [pid for pid in pids if is_alive(pid)] == []
-        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")] == []
+        assert all_shm_segments() <= shm_before
     finally:
         if proc.poll() is None:
             proc.kill()

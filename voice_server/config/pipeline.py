@@ -117,6 +117,20 @@ class PipelineConfig:
     """ZMQ transport of the control plane: `ipc` (one host) or `tcp`."""
     tcp_host: str = "127.0.0.1"
     """Interface the control sockets use with `control_transport: tcp`."""
+    max_inflight_requests: int | None = None
+    """Requests admitted at once; beyond it `submit` refuses with OverloadError. null: sized from
+    the descriptor limit."""
+    max_relay_bytes: int | None = None
+    """Live relay bytes per producer process (slab plus overflow). null: a share of /dev/shm."""
+    max_relay_segments: int | None = None
+    """Live relay overflow segments per producer process (each holds a descriptor). null: sized from
+    the descriptor limit."""
+    request_timeout_s: float | None = None
+    """Default deadline of a request; past it the request fails and is aborted everywhere. null: none."""
+    restart_backoff_s: float = 0.5
+    """Delay before restarting a crashed stage process; doubles per consecutive crash."""
+    max_restart_backoff_s: float = 30.0
+    """Cap of the restart delay."""
 
     def __post_init__(self) -> None:
         where = f"pipeline '{self.name}'"
@@ -128,6 +142,20 @@ class PipelineConfig:
             raise _fail(where, "inline_threshold_bytes", "must be >= 0")
         if self.relay_slab_bytes < 1 << 16:
             raise _fail(where, "relay_slab_bytes", "must be at least 64 KiB")
+        for name in ("max_inflight_requests", "max_relay_bytes", "max_relay_segments"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise _fail(where, name, "must be an integer >= 1 or null (sized from the host)")
+        if self.max_relay_bytes is not None and self.max_relay_bytes < self.relay_slab_bytes:
+            raise _fail(where, "max_relay_bytes", f"must be at least relay_slab_bytes ({self.relay_slab_bytes})")
+        for name in ("request_timeout_s", "restart_backoff_s", "max_restart_backoff_s"):
+            value = getattr(self, name)
+            is_optional = name == "request_timeout_s"
+            if (value is None and not is_optional) or (value is not None and (
+                    not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0)):
+                raise _fail(where, name, "must be a number > 0" + (" or null" if is_optional else ""))
+        if self.max_restart_backoff_s < self.restart_backoff_s:
+            raise _fail(where, "max_restart_backoff_s", "must be >= restart_backoff_s")
         if self.control_transport not in ("ipc", "tcp"):
             raise _fail(where, "control_transport", f"must be 'ipc' or 'tcp', got {self.control_transport!r}")
         by_name: dict[str, StageConfig] = {}

@@ -56,10 +56,13 @@ class StageRuntime:
     """Request id -> downstream stage -> chunks sent (a key exists once its stream is open)."""
     held_refs: dict[str, list[ShmRef]] = field(default_factory=dict)
     """Request id -> relay slots this stage reads; acked when the request leaves the stage."""
+    num_chunks_received: dict[str, int] = field(default_factory=dict)
+    """Request id -> upstream stream chunks received so far (a gap fails the request)."""
 
     def forget(self, request_id: str) -> list[ShmRef]:
         """The request left the stage: drop its state, return the relay slots to ack."""
         self.params.pop(request_id, None)
         self.num_chunks_sent.pop(request_id, None)
+        self.num_chunks_received.pop(request_id, None)
         self.compute.release(request_id)
         return self.held_refs.pop(request_id, [])
