@@ -1,4 +1,5 @@
 from voice_server.config.budget import BudgetError, StageBudget, format_budget, plan_budget
+from voice_server.config.checks import check_environment, resolve_factory
 from voice_server.config.errors import ConfigError
 from voice_server.config.loading import MAX_DEPTH, MAX_FILE_BYTES, load_pipeline, pipeline_from_dict
 from voice_server.config.pipeline import PipelineConfig, StageConfig
@@ -13,8 +14,10 @@ __all__ = [
     "PipelineConfig",
     "StageBudget",
     "StageConfig",
+    "check_environment",
     "format_budget",
     "load_pipeline",
     "pipeline_from_dict",
     "plan_budget",
+    "resolve_factory",
 ]
