@@ -119,8 +119,8 @@ CASES: dict[str, tuple[str | bytes, tuple[str, ...]]] = {
         ("stage 'solo'", "field 'scheduler'", "'ar' is not implemented", "implemented: simple"),
     ),
     "slab_too_big_for_dev_shm": (
-        one_stage("relay_slab_bytes: 1099511627776\n"),  # 1 TiB: 2 slabs (stage + coordinator)
-        ("pipeline 't'", "field 'relay_slab_bytes'", "2 slabs", "1024.0 GiB", "/dev/shm has"),
+        one_stage(f"relay_slab_bytes: {1 << 50}\n"),  # 1 PiB: 2 slabs (stage + coordinator)
+        ("pipeline 't'", "field 'relay_slab_bytes'", "2 slabs", "1024.0 TiB need 2048.0 TiB", "/dev/shm has"),
     ),
     "unroutable_tcp_host": (
         one_stage("control_transport: tcp\ntcp_host: 203.0.113.1\n"),  # TEST-NET-3: never on this host

@@ -219,7 +219,7 @@ def test_shm_check_counts_one_slab_per_process_plus_the_coordinator() -> None:
     assert SHM_DIR == RELAY_SHM_DIR
     cfg = pipeline_from_dict(solo(relay_slab_bytes=1 << 16))
     check_shm(cfg)
-    raw = solo(relay_slab_bytes=1 << 40)
+    raw = solo(relay_slab_bytes=1 << 50)
     raw["stages"] = [{"name": "a", "factory": ECHO, "next": "b"}, {"name": "b", "factory": ECHO, "terminal": True}]
     with pytest.raises(ConfigError, match=r"'relay_slab_bytes': 3 slabs \(2 stage processes \+ the coordinator\)"):
         check_shm(pipeline_from_dict(raw))

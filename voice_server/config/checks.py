@@ -115,7 +115,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def _size(num_bytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
         if num_bytes >= 1 << shift:
             return f"{num_bytes / (1 << shift):.1f} {unit}"
     return f"{num_bytes} B"
