@@ -17,6 +17,8 @@ from typing import Any
 import pytest
 from harness import all_shm_segments, stage_processes
 
+from voice_server.engine.rundir import base_dir
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -115,3 +117,50 @@ def test_serve_refuses_an_overcommitted_budget(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "device cpu is over budget: 1.100 > 1.0 (a=0.9, b=0.2)" in out.stderr
+
+
+def start_server() -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voice_server.cli", "serve", "--config", str(ROOT / "configs/test_numeric.yaml"),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT,
+    )
+    return proc, port
+
+
+def test_a_sigkilled_server_leaves_nothing_once_the_next_has_started_and_stopped() -> None:
+    run_base = base_dir()
+    shm_before = all_shm_segments()
+    runs_before = set(os.listdir(run_base)) if os.path.isdir(run_base) else set()
+    first, port = start_server()
+    try:
+        wait_health(port, first, lambda code, b: code == 200)
+        stages = stage_processes(first.pid)
+        ours = all_shm_segments() - shm_before
+        assert ours  # the coordinator's slab and one per stage process
+        first.kill()
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    deadline = time.monotonic() + 10
+    while any(is_alive(pid) for pid in stages.values()):  # PR_SET_PDEATHSIG takes the stages down
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    leaked = ours & all_shm_segments()
+    assert leaked  # a dead server cannot unlink its own slab: the next one must
+
+    second, port = start_server()
+    try:
+        wait_health(port, second, lambda code, b: code == 200)
+        assert not (leaked & all_shm_segments())  # swept at start-up
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=30)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert all_shm_segments() <= shm_before
+    assert set(os.listdir(run_base)) <= runs_before
