@@ -83,3 +83,13 @@ def stage_processes(parent_pid: int) -> dict[str, int]:
 
 def all_shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("vs-")}
+
+
+def launch_of(stage_pid: int) -> str:
+    """The launch id of a running stage process, read from its shared-memory mappings."""
+    with open(f"/proc/{stage_pid}/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if path.startswith("/dev/shm/vs-"):
+                return path[len("/dev/shm/vs-"):].split("-", 1)[0]
+    raise LookupError(f"process {stage_pid} maps no relay segment")

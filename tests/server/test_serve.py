@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import all_shm_segments, stage_processes
+from harness import launch_of, shm_segments, stage_processes
 
 from voice_server.engine.rundir import base_dir
 
@@ -63,7 +63,6 @@ def is_alive(pid: int) -> bool:
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
 def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
     port = free_port()
-    shm_before = all_shm_segments()
     proc = subprocess.Popen(
         [sys.executable, "-m", "voice_server.cli", "serve", "--config", str(ROOT / "configs/test_numeric.yaml"),
          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
@@ -79,6 +78,7 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
         stages = stage_processes(proc.pid)
         assert set(stages) == {"framer", "transform", "sink"}
         pids = list(stages.values())
+        launch_id = launch_of(stages["framer"])
 
         # A dead stage makes the server unhealthy until it has been restarted.
         victim = stages["sink"]
@@ -97,7 +97,7 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
         assert proc.wait(timeout=30) in (0, -stop_signal)
         time.sleep(0.2)
         assert [pid for pid in pids if is_alive(pid)] == []
-        assert all_shm_segments() <= shm_before
+        assert shm_segments(launch_id) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -131,14 +131,12 @@ def start_server() -> tuple[subprocess.Popen[bytes], int]:
 
 def test_a_sigkilled_server_leaves_nothing_once_the_next_has_started_and_stopped() -> None:
     run_base = base_dir()
-    shm_before = all_shm_segments()
-    runs_before = set(os.listdir(run_base)) if os.path.isdir(run_base) else set()
     first, port = start_server()
     try:
         wait_health(port, first, lambda code, b: code == 200)
         stages = stage_processes(first.pid)
-        ours = all_shm_segments() - shm_before
-        assert ours  # the coordinator's slab and one per stage process
+        launch_id = launch_of(stages["framer"])
+        assert os.path.isdir(os.path.join(run_base, launch_id))
         first.kill()
         first.wait()
     finally:
@@ -149,18 +147,20 @@ def test_a_sigkilled_server_leaves_nothing_once_the_next_has_started_and_stopped
     while any(is_alive(pid) for pid in stages.values()):  # PR_SET_PDEATHSIG takes the stages down
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    leaked = ours & all_shm_segments()
-    assert leaked  # a dead server cannot unlink its own slab: the next one must
+    # A dead server cannot unlink its own slab: the next one must.
+    assert shm_segments(launch_id) == [f"vs-{launch_id}-coord.0-0"]
 
     second, port = start_server()
     try:
         wait_health(port, second, lambda code, b: code == 200)
-        assert not (leaked & all_shm_segments())  # swept at start-up
+        second_launch = launch_of(stage_processes(second.pid)["framer"])
+        assert shm_segments(launch_id) == []  # swept at start-up
+        assert not os.path.exists(os.path.join(run_base, launch_id))
         second.send_signal(signal.SIGTERM)
         second.wait(timeout=30)
     finally:
         if second.poll() is None:
             second.kill()
             second.wait()
-    assert all_shm_segments() <= shm_before
-    assert set(os.listdir(run_base)) <= runs_before
+    assert shm_segments(second_launch) == []
+    assert not os.path.exists(os.path.join(run_base, second_launch))

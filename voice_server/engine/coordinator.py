@@ -152,22 +152,10 @@ class Coordinator:
 
     def health(self) -> dict[str, Any]:
         """Public view (no PIDs, no launch id): each stage's state and restart history."""
-        stages = {}
-        for stage in self.cfg.stages:
-            handle = self.launcher.handles[stage.process_name]
-            entry: dict[str, Any] = {
-                "process": handle.name, "state": handle.state.value, "generation": handle.generation,
-                "num_restarts": handle.num_restarts,
-            }
-            restart_in_s = self.supervisor.restart_in_s(handle)
-            if restart_in_s is not None:
-                entry["restart_in_s"] = round(restart_in_s, 2)
-                entry["last_error"] = handle.last_error[:200]
-            stages[stage.name] = entry
         return {
             "status": "ok" if self.is_ready else "unavailable", "pipeline": self.cfg.name,
             "num_inflight": len(self._requests), "max_inflight": self.limits.max_inflight_requests,
-            "stages": stages,
+            "stages": self.supervisor.describe(),
         }
 
     # -- requests --------------------------------------------------------------------------------
@@ -196,6 +184,11 @@ class Coordinator:
         entry = self.cfg.entry_stage
         process = self.cfg.stage(entry).process_name
         try:
+            # NOTE: the socket first: once encoded, relay slots are taken and the send must not fail.
+            sock = self._peers.get(process)
+        except zmq.ZMQError as exc:
+            raise OverloadError(f"server busy: {exc}") from exc
+        try:
             data = self.codec.encode(NewRequest(request_id, entry, payload, params), consumer=process)
         except (RelayFullError, OSError) as exc:  # NOTE: pack frees its relay slots itself
             raise OverloadError(f"server busy: {exc}") from exc
@@ -206,20 +199,15 @@ class Coordinator:
         timeout_s = timeout_s if timeout_s is not None else self.limits.request_timeout_s
         if timeout_s is not None:
             state.deadline = self._loop.call_later(timeout_s, self._expire, request_id, timeout_s)
-        self._peers.get(process).send(data)
+        sock.send(data)
         return RequestStream(request_id, queue, self.abort_nowait, self._abandon)
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:
             raise UnavailableError("the server is not running")
-        for handle in self.launcher.handles.values():
-            if handle.state is ProcessState.READY:
-                continue
-            detail = f"is {handle.state.value}"
-            restart_in_s = self.supervisor.restart_in_s(handle)
-            if restart_in_s is not None:
-                detail += f" (next attempt in {restart_in_s:.1f} s; last error: {handle.last_error})"
-            raise UnavailableError(f"pipeline unavailable: stage process '{handle.name}' {detail}")
+        reason = self.supervisor.unavailable_reason()
+        if reason is not None:
+            raise UnavailableError(f"pipeline unavailable: {reason}")
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request everywhere (barge-in, disconnect); its stream ends without error."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import multiprocessing
 import multiprocessing.process
 import os
@@ -78,7 +79,8 @@ class Launcher:
     def spawn(self, name: str) -> ProcessHandle:
         handle = self.handles[name]
         spec = ProcessSpec(
-            self.launch_id, name, handle.generation + 1, self.cfg, self.budgets, self.endpoints, self.limits
+            self.launch_id, name, handle.generation + 1, self.cfg, self.budgets, self.endpoints, self.limits,
+            logging.getLogger().getEffectiveLevel(),
         )
         process = _SPAWN.Process(target=run_stage_process, args=(spec,), name=f"voice-server[{name}]", daemon=True)
         process.start()  # NOTE: may raise (EMFILE, EAGAIN): the handle is unchanged then

@@ -65,6 +65,8 @@ class ProcessSpec:
     endpoints: ipc.Endpoints
     """Addresses and (tcp) the launch's CURVE keys: handed over at spawn, never on the wire."""
     limits: EngineLimits
+    log_level: int = logging.INFO
+    """The server's log level, so `--log-level debug` reaches the stages too."""
 
 
 def _exit_now(signum: int, frame: object) -> None:
@@ -78,7 +80,7 @@ def run_stage_process(spec: ProcessSpec) -> None:
     ipc.die_with_parent()
     # NOTE: operators find stage processes by name (`ps`), since /health publishes no PIDs.
     setproctitle.setproctitle(f"voice-server[{spec.process}]")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
     # NOTE: until the stage reports ready, SIGTERM ends the process at once (SystemExit unwinds a
     # factory that is still loading, and `close` still runs); afterwards it stops the loop cleanly.
     signal.signal(signal.SIGTERM, _exit_now)
@@ -136,8 +138,10 @@ class StageShell:
                 ctx = StageContext(stage, self.cfg, self.spec.budgets.get(stage.name), self.spec.launch_id)
                 self.stages[stage.name] = StageRuntime(stage, create_scheduler(stage), create_compute(ctx))
         except Exception as exc:
-            log.exception("startup failed")
             message = f"{type(exc).__name__}: {exc}"
+            # NOTE: one line for the operator (the server repeats it); the traceback at debug level.
+            log.error("startup failed: %s", message)
+            log.debug("startup failure traceback", exc_info=True)
             self._send(ipc.COORDINATOR, StartupFailed(self.spec.process, self.spec.generation, message))
             time.sleep(0.2)  # NOTE: give ZMQ a moment to flush before the process exits
             return

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from voice_server.config import PipelineConfig
 from voice_server.engine.launcher import Launcher, ProcessHandle, ProcessState
@@ -172,6 +173,36 @@ class Supervisor:
         self._wake.set()
         for name in list(self._watched):
             self._unwatch(name)
+
+    # -- what the coordinator reports -------------------------------------------------------------
+
+    def describe(self) -> dict[str, dict[str, Any]]:
+        """Stage name -> its process's state and restart history (public: no PIDs)."""
+        stages = {}
+        for stage in self.cfg.stages:
+            handle = self.launcher.handles[stage.process_name]
+            entry: dict[str, Any] = {
+                "process": handle.name, "state": handle.state.value, "generation": handle.generation,
+                "num_restarts": handle.num_restarts,
+            }
+            restart_in_s = self.restart_in_s(handle)
+            if restart_in_s is not None:
+                entry["restart_in_s"] = round(restart_in_s, 2)
+                entry["last_error"] = handle.last_error[:200]
+            stages[stage.name] = entry
+        return stages
+
+    def unavailable_reason(self) -> str | None:
+        """Why the pipeline cannot take a request now (a process not ready), or None."""
+        for handle in self.launcher.handles.values():
+            if handle.state is ProcessState.READY:
+                continue
+            reason = f"stage process '{handle.name}' is {handle.state.value}"
+            restart_in_s = self.restart_in_s(handle)
+            if restart_in_s is not None:
+                reason += f" (next attempt in {restart_in_s:.1f} s; last error: {handle.last_error})"
+            return reason
+        return None
 
     def restart_in_s(self, handle: ProcessHandle) -> float | None:
         if handle.state is not ProcessState.RESTARTING:
