@@ -153,11 +153,16 @@ def burst() -> None:
         handles = coordinator.launcher.handles.values()
         generations = {h.name: h.generation for h in handles}
         limits = coordinator.limits
-        time.sleep(0.5)  # acks in flight
+
+        def settled() -> bool:  # NOTE: acks and unmaps may still be on their way on a loaded machine
+            after = pipeline.run(coordinator.stats())
+            counts = {"server": num_open_fds(), **{n: num_open_fds(p) for n, p in pids.items() if p}}
+            return all(r.num_live_slots == 0 for r in after.values()) and counts == fds_before
+
+        _wait(settled, 20.0)
         after = pipeline.run(coordinator.stats())
         live_slots = {name: r.num_live_slots for name, r in after.items()}
         num_inflight = coordinator.num_inflight
-        pipeline.collect({"signal": signals[0]})
         fds_after = {"server": num_open_fds(), **{n: num_open_fds(p) for n, p in pids.items() if p}}
     finally:
         pipeline.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from harness import Pipeline
 from scenarios import run_scenario
@@ -39,6 +41,10 @@ def test_a_stage_whose_relay_is_full_fails_that_request_as_overload_and_lives() 
     try:
         with pytest.raises(OverloadError, match="stage 'amp'.*relay of amp.0 is full"):
             pipeline.collect({"num_chunks": 80, "chunk_bytes": 32 << 10})  # 2.5 MiB > 1 MiB
+        deadline = time.monotonic() + 10
+        while pipeline.run(pipeline.coordinator.stats())["amp"].num_live_slots:  # the sink's acks
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         outputs = pipeline.collect({"num_chunks": 4, "chunk_bytes": 32 << 10})
         assert pipeline.coordinator.launcher.handles["amp"].generation == 0
     finally:

@@ -5,7 +5,7 @@ slab, n >= 1 are one-tensor overflow segments used when the slab is full. The ow
 and on close; the launcher calls `sweep` for an owner that died.
 
 NOTE: multiprocessing.shared_memory is not used: before Python 3.13 attaching registers the segment
-with a resource tracker that unlinks it under its owner (see shared/reference/engine_pitfalls.md).
+with a resource tracker that unlinks it under its owner (CPython gh-82300).
 """
 
 from __future__ import annotations
