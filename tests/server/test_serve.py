@@ -84,8 +84,7 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
         pids.append(body["stages"]["sink"]["pid"])
 
         proc.send_signal(stop_signal)
-        # NOTE: uvicorn re-raises the captured signal once shutdown completes.
-        assert proc.wait(timeout=30) in (0, -stop_signal)
+        assert proc.wait(timeout=30) == 0  # NOTE: `serve` exits 0 after a stop signal
         time.sleep(0.2)
         assert [pid for pid in pids if is_alive(pid)] == []
         assert [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")] == []
