@@ -274,3 +274,5 @@ def test_repeated_log_lines_are_rate_limited(serve_process: ServeProcess) -> Non
     assert 1 <= num_lines <= 5, log[-4000:]
     assert log_bytes < 4096
     assert health_status(server.port) == 200
+    assert server.stop() == 0
+    assert "suppressed 295 repeats of: Invalid HTTP request received." in server.stderr  # written at exit

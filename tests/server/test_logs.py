@@ -81,6 +81,10 @@ def test_flush_writes_the_summary_of_an_ended_window(clock: Clock, logger: tuple
     assert handler.lines[-1] == "ERROR suppressed 2 repeats of: stage process 'sink' died (in 10s)"
     flush_rate_limits(log)
     assert len(handler.lines) == 4
+    for _ in range(4):
+        log.error("stage process '%s' died", "sink")
+    flush_rate_limits(log, is_final=True)  # at exit: every pending count, ended or not
+    assert handler.lines[-1] == "ERROR suppressed 1 repeats of: stage process 'sink' died (in 10s)"
 
 
 def test_the_number_of_windows_is_bounded(clock: Clock, logger: tuple[logging.Logger, ListHandler]) -> None:

@@ -7,8 +7,8 @@ window; later repeats are dropped and counted, and when the window ends one line
 request id) are never suppressed.
 
 The summary of a window is written by the next record that reaches the handler after the window
-ended, or by `flush_rate_limits()`; a long-lived process should call it now and then (`serve`
-does, every second).
+ended, or by `flush_rate_limits()`: a long-lived process should call it now and then (`serve`
+does, every second) and once with `is_final=True` before it exits.
 """
 
 from __future__ import annotations
@@ -80,10 +80,10 @@ class RateLimitFilter(logging.Filter):
             self.handler.handle(summary)
         return is_passed
 
-    def flush(self, now: float | None = None) -> None:
-        """Write the summaries of the windows that have ended."""
+    def flush(self, is_final: bool = False) -> None:
+        """Write the summaries of the windows that have ended (all of them if `is_final`: at exit)."""
         with self._lock:
-            summaries = self._expire(time.monotonic() if now is None else now)
+            summaries = self._expire(float("inf") if is_final else time.monotonic())
         for summary in summaries:
             self.handler.handle(summary)
 
@@ -135,9 +135,10 @@ def install_rate_limit(limit: RateLimit | None = None, logger: logging.Logger | 
     return filters
 
 
-def flush_rate_limits(logger: logging.Logger | None = None) -> None:
-    """Write the pending summaries of every `RateLimitFilter` on `logger`'s handlers."""
+def flush_rate_limits(logger: logging.Logger | None = None, is_final: bool = False) -> None:
+    """Write the summaries of every `RateLimitFilter` on `logger`'s handlers whose window has
+    ended; with `is_final` (at exit) of all windows, so no count is lost."""
     for handler in (logger or logging.getLogger()).handlers:
         for rate_filter in handler.filters:
             if isinstance(rate_filter, RateLimitFilter):
-                rate_filter.flush()
+                rate_filter.flush(is_final)

@@ -70,7 +70,7 @@ def run_server(cfg: PipelineConfig, options: ServeOptions) -> int:
     except KeyboardInterrupt:  # NOTE: Ctrl-C before the loop took over SIGINT: nothing started yet
         return EXIT_STOPPED
     finally:
-        flush_rate_limits()
+        flush_rate_limits(is_final=True)
 
 
 class _Server(uvicorn.Server):
