@@ -60,3 +60,36 @@ def shm_segments(launch_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")]
 
 
+
+
+def stage_processes(parent_pid: int) -> dict[str, int]:
+    """Live stage processes of a server, by the name they show in `ps` (`voice-server[name]`)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().split(b"\0")[0].decode(errors="replace")
+        except OSError:
+            continue
+        state, ppid = fields[0], int(fields[1])
+        if ppid == parent_pid and state != "Z" and cmdline.startswith("voice-server[") and cmdline.endswith("]"):
+            found[cmdline[len("voice-server["):-1]] = int(entry)
+    return found
+
+
+def all_shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("vs-")}
+
+
+def launch_of(stage_pid: int) -> str:
+    """The launch id of a running stage process, read from its shared-memory mappings."""
+    with open(f"/proc/{stage_pid}/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if path.startswith("/dev/shm/vs-"):
+                return path[len("/dev/shm/vs-"):].split("-", 1)[0]
+    raise LookupError(f"process {stage_pid} maps no relay segment")

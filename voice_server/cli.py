@@ -7,6 +7,8 @@ import sys
 from typing import Any
 
 from voice_server.config import ConfigError, PipelineConfig, format_budget, load_pipeline, plan_budget
+from voice_server.config.checks import check_environment
+from voice_server.config.errors import one_line
 
 
 def describe_topology(cfg: PipelineConfig) -> str:
@@ -26,15 +28,29 @@ def describe_topology(cfg: PipelineConfig) -> str:
     return "\n".join(lines)
 
 
-def check_config(path: str) -> int:
+def check_config(path: str, *, show_traceback: bool = False) -> int:
+    """Validate a config and this host's fit for it without starting anything; print topology and budget.
+
+    Exit 0 when it can start, 2 with one `config error: ...` paragraph when it cannot, 1 (one line) on an
+    unexpected failure of the checker itself (`--traceback` shows where).
+    """
     try:
         cfg = load_pipeline(path)
-        print(describe_topology(cfg))
-        print()
-        print(format_budget(plan_budget(cfg)))
+        budgets = plan_budget(cfg)
+        check_environment(cfg)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        # NOTE: one_line is a last guarantee of one paragraph; messages are built as one line already.
+        print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        if show_traceback:
+            raise
+        print(f"error: checking {path} failed unexpectedly ({one_line(f'{type(exc).__name__}: {exc}')}); "
+              "this is a bug, rerun with --traceback for where", file=sys.stderr)
+        return 1
+    print(describe_topology(cfg))
+    print()
+    print(format_budget(budgets))
     return 0
 
 
@@ -103,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p_check = sub.add_parser("check-config", help="validate a pipeline and print its topology and memory budget")
     p_check.add_argument("config")
+    p_check.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected failure")
     args = parser.parse_args(argv)
     if args.command == "serve":
         limits = {
@@ -110,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             "keep_alive_timeout_s": args.keep_alive_timeout, "backlog": args.backlog,
         }
         return serve(args.config, args.host, args.port, args.log_level, limits)
-    return check_config(args.config)
+    return check_config(args.config, show_traceback=args.traceback)
 
 
 if __name__ == "__main__":

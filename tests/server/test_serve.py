@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import launch_of, shm_segments, stage_processes
+
+from voice_server.engine.rundir import base_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,24 +73,30 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
         assert body["status"] == "ok"
         assert set(body["stages"]) == {"framer", "transform", "sink"}
         assert all(s["state"] == "ready" for s in body["stages"].values())
-        launch_id = body["launch_id"]
-        pids = [s["pid"] for s in body["stages"].values()]
+        # NOTE: /health publishes no PIDs or launch id; operators find stages by name in `ps`.
+        assert "launch_id" not in body and all("pid" not in s for s in body["stages"].values())
+        stages = stage_processes(proc.pid)
+        assert set(stages) == {"framer", "transform", "sink"}
+        pids = list(stages.values())
+        launch_id = launch_of(stages["framer"])
 
         # A dead stage makes the server unhealthy until it has been restarted.
-        victim = body["stages"]["sink"]["pid"]
+        victim = stages["sink"]
         os.kill(victim, signal.SIGKILL)
         def restarted(code: int, b: dict[str, Any]) -> bool:
             return code == 200 and b["stages"]["sink"]["generation"] == 1
 
         body = wait_health(port, proc, restarted)
-        assert body["stages"]["sink"]["pid"] != victim and body["stages"]["sink"]["num_restarts"] == 1
-        pids.append(body["stages"]["sink"]["pid"])
+        assert body["stages"]["sink"]["num_restarts"] == 1
+        new_sink = stage_processes(proc.pid)["sink"]
+        assert new_sink != victim
+        pids.append(new_sink)
 
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=30) == 0  # NOTE: `serve` exits 0 after a stop signal
         time.sleep(0.2)
         assert [pid for pid in pids if is_alive(pid)] == []
-        assert [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")] == []
+        assert shm_segments(launch_id) == []
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -107,3 +116,50 @@ def test_serve_refuses_an_overcommitted_budget(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "device cpu is over budget: 1.100 > 1.0 (a=0.9, b=0.2)" in out.stderr
+
+
+def start_server() -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "voice_server.cli", "serve", "--config", str(ROOT / "configs/test_numeric.yaml"),
+         "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+        cwd=ROOT,
+    )
+    return proc, port
+
+
+def test_a_sigkilled_server_leaves_nothing_once_the_next_has_started_and_stopped() -> None:
+    run_base = base_dir()
+    first, port = start_server()
+    try:
+        wait_health(port, first, lambda code, b: code == 200)
+        stages = stage_processes(first.pid)
+        launch_id = launch_of(stages["framer"])
+        assert os.path.isdir(os.path.join(run_base, launch_id))
+        first.kill()
+        first.wait()
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    deadline = time.monotonic() + 10
+    while any(is_alive(pid) for pid in stages.values()):  # PR_SET_PDEATHSIG takes the stages down
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # A dead server cannot unlink its own slab: the next one must.
+    assert shm_segments(launch_id) == [f"vs-{launch_id}-coord.0-0"]
+
+    second, port = start_server()
+    try:
+        wait_health(port, second, lambda code, b: code == 200)
+        second_launch = launch_of(stage_processes(second.pid)["framer"])
+        assert shm_segments(launch_id) == []  # swept at start-up
+        assert not os.path.exists(os.path.join(run_base, launch_id))
+        second.send_signal(signal.SIGTERM)
+        second.wait(timeout=30)
+    finally:
+        if second.poll() is None:
+            second.kill()
+            second.wait()
+    assert shm_segments(second_launch) == []
+    assert not os.path.exists(os.path.join(run_base, second_launch))

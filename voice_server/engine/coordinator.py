@@ -1,19 +1,22 @@
 """The coordinator: lives in the server process (asyncio), knows the topology, never the models.
 
-It launches the stage processes, routes a new request to the entry stage, merges terminal outputs
-(text and audio, in arrival order) into one async iterator per request, broadcasts aborts, and
-supervises: a dead stage process fails the requests in flight, its shared memory is swept, and it
-is restarted.
+It launches the stage processes, admits requests within the engine's limits, routes a new request
+to the entry stage, merges terminal outputs (text and audio, in arrival order) into one async
+iterator per request, ends requests at their deadline, and broadcasts aborts. Supervision (restarts
+with backoff) is the Supervisor's; the coordinator cleans up after a dead process: fails the
+requests in flight, sweeps its shared memory and tells the other processes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +25,8 @@ import zmq.asyncio
 
 from voice_server.config import PipelineConfig, plan_budget
 from voice_server.engine import ipc
-from voice_server.engine.launcher import Launcher, ProcessState
+from voice_server.engine.launcher import Launcher, ProcessHandle, ProcessState
+from voice_server.engine.limits import EngineLimits
 from voice_server.engine.messages import (
     Abort,
     Ack,
@@ -40,119 +44,176 @@ from voice_server.engine.messages import (
     StatsReply,
     acks_for,
 )
-from voice_server.engine.requests import RequestError, RequestState, RequestStream, TerminalOutput
-from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, sweep
+from voice_server.engine.requests import (
+    DeadlineExceeded,
+    OverloadError,
+    RequestError,
+    RequestState,
+    RequestStream,
+    TerminalOutput,
+    UnavailableError,
+)
+from voice_server.engine.rundir import RunDir, sweep_dead_launches
+from voice_server.engine.supervisor import StartupError, Supervisor
+from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, sweep
+
+__all__ = ["Coordinator", "DeadlineExceeded", "OverloadError", "RequestError", "StartupError", "UnavailableError"]
 
 log = logging.getLogger("voice_server.coordinator")
-_PROBE_INTERVAL_S = 0.02
-_RESTART_WINDOW_S = 60.0
-
-
-class StartupError(RuntimeError):
-    """A stage process failed to load or did not report ready in time."""
 
 
 class Coordinator:
-    def __init__(self, cfg: PipelineConfig, launch_id: str | None = None, max_restarts_per_minute: int = 5) -> None:
+    def __init__(self, cfg: PipelineConfig, launch_id: str | None = None) -> None:
         self.cfg = cfg
         self.budgets = plan_budget(cfg)  # NOTE: refuses an over-committed device before any spawn
         self.launch_id = launch_id or secrets.token_hex(4)
-        self.endpoints = ipc.Endpoints.create(cfg, self.launch_id)
-        self.launcher = Launcher(cfg, self.launch_id, self.budgets, self.endpoints)
-        self.max_restarts_per_minute = max_restarts_per_minute
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
+        self.num_dropped_messages = 0
         self._requests: dict[str, RequestState] = {}
         self._stats: dict[int, dict[str, StatsReply]] = {}
         self._nonces = itertools.count()
+        self._is_started = False
         self._is_stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._cleanups: list[Callable[[], object]] = []
 
     # -- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._actx = zmq.asyncio.Context()
-        self._ctx = zmq.Context()
-        self._inbox = ipc.configure(self._actx.socket(zmq.PULL))
-        self._inbox.bind(self.endpoints.inboxes[ipc.COORDINATOR])
-        self._pub = ipc.configure(self._ctx.socket(zmq.PUB))
-        self._pub.bind(self.endpoints.broadcast)
-        self._peers = ipc.Peers(self._ctx, self.endpoints)
-        self.slab = ShmSlab(self.launch_id, self.owner, self.cfg.relay_slab_bytes)
-        self.reader = ShmReader()
-        self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
-        self._spawn_task(self._recv_loop())
+        self._is_started = True
         try:
-            for name in self.launcher.handles:
-                self._spawn(name)
-            await self._wait_ready(list(self.launcher.handles))
+            self._open()
+            self._spawn_task(self._recv_loop())
+            await self.supervisor.start_all()
         except BaseException:
             await self.stop()
             raise
+        self._spawn_task(self.supervisor.run())
+
+    def _open(self) -> None:
+        """Create what a launch holds; each piece registers its own cleanup as it comes into being."""
+        sweep_dead_launches()  # NOTE: what a SIGKILLed server left behind
+        self._cleanups.append(lambda: sweep(self.launch_id))
+        self.limits = EngineLimits.resolve(self.cfg)
+        self.run_dir = RunDir(self.launch_id)
+        self._cleanups.append(self.run_dir.close)
+        self.endpoints = ipc.Endpoints.create(self.cfg, self.run_dir)
+        self.launcher = Launcher(self.cfg, self.launch_id, self.budgets, self.endpoints, self.limits)
+        self._ctx = zmq.Context()
+        self._cleanups.append(lambda: self._ctx.destroy(linger=0))
+        auth = self.endpoints.start_auth(self._ctx)
+        if auth is not None:
+            self._cleanups.append(auth.stop)
+        # NOTE: one underlying context for both, so the ZAP handler covers the asyncio inbox too.
+        self._actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
+        self._inbox = ipc.configure(self._actx.socket(zmq.PULL))
+        self._cleanups.append(lambda: self._inbox.close(linger=0))
+        self.endpoints.bind(self._inbox, self.endpoints.inboxes[ipc.COORDINATOR])
+        self._pub = ipc.configure(self._ctx.socket(zmq.PUB))
+        self.endpoints.bind(self._pub, self.endpoints.broadcast)
+        self._peers = ipc.Peers(self._ctx, self.endpoints)
+        self.slab = ShmSlab(
+            self.launch_id, self.owner, self.cfg.relay_slab_bytes,
+            max_bytes=self.limits.max_relay_bytes, max_overflow_segments=self.limits.max_relay_segments,
+        )
+        self._cleanups.append(self.slab.close)
+        self.reader = ShmReader()
+        self._cleanups.append(self.reader.close)
+        self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
+        self.supervisor = Supervisor(self.cfg, self.launcher, self._on_down, lambda: self._broadcast(Probe(0)))
+        self._cleanups.append(self.supervisor.stop)
+        # NOTE: runs first on stop (cleanups run in reverse): no process may outlive the launch.
+        self._cleanups.append(self.launcher.terminate_all)
 
     async def stop(self) -> None:
-        if self._is_stopping:
+        if self._is_stopping or not self._is_started:
             return
         self._is_stopping = True
-        for handle in self.launcher.handles.values():
-            if handle.process is not None and handle.process.pid is not None:  # started
-                self._loop.remove_reader(handle.process.sentinel)
         for request_id in list(self._requests):
-            self._finish(request_id, RequestError("the server is shutting down"))
-        await self._loop.run_in_executor(None, self.launcher.terminate_all)
+            self._finish(request_id, UnavailableError("the server is shutting down"))
         for task in list(self._tasks):
             task.cancel()
-        self._inbox.close(linger=0)
-        self._ctx.destroy(linger=0)
-        self._actx.destroy(linger=0)
-        self.slab.close()
-        self.reader.close()
-        sweep(self.launch_id)
+        while self._cleanups:
+            cleanup = self._cleanups.pop()
+            try:
+                if cleanup == self.launcher.terminate_all:
+                    await self._loop.run_in_executor(None, cleanup)  # NOTE: joins processes; keep the loop free
+                else:
+                    cleanup()
+            except Exception:
+                log.exception("cleanup step failed while stopping")
 
     @property
     def is_ready(self) -> bool:
-        return all(h.state is ProcessState.READY for h in self.launcher.handles.values())
+        return self._is_started and not self._is_stopping and all(
+            h.state is ProcessState.READY for h in self.launcher.handles.values()
+        )
 
     def health(self) -> dict[str, Any]:
-        stages = {}
-        for stage in self.cfg.stages:
-            handle = self.launcher.handles[stage.process_name]
-            stages[stage.name] = {
-                "process": handle.name, "state": handle.state.value, "pid": handle.pid,
-                "generation": handle.generation, "num_restarts": handle.num_restarts,
-            }
+        """Public view (no PIDs, no launch id): each stage's state and restart history."""
         return {
             "status": "ok" if self.is_ready else "unavailable", "pipeline": self.cfg.name,
-            "launch_id": self.launch_id, "stages": stages,
+            "num_inflight": len(self._requests), "max_inflight": self.limits.max_inflight_requests,
+            "stages": self.supervisor.describe(),
         }
 
     # -- requests --------------------------------------------------------------------------------
 
     def submit(
-        self, payload: dict[str, Any], params: dict[str, Any] | None = None, request_id: str | None = None
+        self, payload: dict[str, Any], params: dict[str, Any] | None = None, request_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> RequestStream:
-        """Send a request to the entry stage; iterate the result for its terminal outputs."""
-        if self._is_stopping:
-            raise RequestError("the server is shutting down")
-        failed = [h.name for h in self.launcher.handles.values() if h.state is ProcessState.FAILED]
-        if failed:
-            raise RequestError(f"pipeline unavailable: stage process(es) {', '.join(failed)} failed")
+        """Send a request to the entry stage; iterate the result for its terminal outputs.
+
+        Refuses at once, never queues: UnavailableError when a stage cannot serve, OverloadError
+        beyond the admission limits. `timeout_s` (default `request_timeout_s`) is the deadline.
+        """
+        self._check_available()
+        params = params or {}
+        for name, value in (("payload", payload), ("params", params)):
+            if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+                raise RequestError(f"request {name} must be a mapping with string keys")
+        if len(self._requests) >= self.limits.max_inflight_requests:
+            raise OverloadError(
+                f"server busy: {len(self._requests)} requests in flight (max_inflight_requests)"
+            )
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         entry = self.cfg.entry_stage
         process = self.cfg.stage(entry).process_name
         try:
-            data = self.codec.encode(NewRequest(request_id, entry, payload, params or {}), consumer=process)
-        except (TypeError, ValueError, OverflowError) as exc:  # NOTE: pack frees its relay slots itself
+            # NOTE: the socket first: once encoded, relay slots are taken and the send must not fail.
+            sock = self._peers.get(process)
+        except zmq.ZMQError as exc:
+            raise OverloadError(f"server busy: {exc}") from exc
+        try:
+            data = self.codec.encode(NewRequest(request_id, entry, payload, params), consumer=process)
+        except (RelayFullError, OSError) as exc:  # NOTE: pack frees its relay slots itself
+            raise OverloadError(f"server busy: {exc}") from exc
+        except (TypeError, ValueError, OverflowError) as exc:
             raise RequestError(f"request payload cannot be sent: {exc}") from exc
         queue: asyncio.Queue[TerminalOutput | RequestError | None] = asyncio.Queue()
-        self._requests[request_id] = RequestState(queue, set(self.cfg.terminal_stages))
-        self._peers.get(process).send(data)
-        return RequestStream(self, request_id, queue)
+        state = self._requests[request_id] = RequestState(queue, set(self.cfg.terminal_stages))
+        timeout_s = timeout_s if timeout_s is not None else self.limits.request_timeout_s
+        if timeout_s is not None:
+            state.deadline = self._loop.call_later(timeout_s, self._expire, request_id, timeout_s)
+        sock.send(data)
+        return RequestStream(request_id, queue, self.abort_nowait, self._abandon)
+
+    def _check_available(self) -> None:
+        if self._is_stopping or not self._is_started:
+            raise UnavailableError("the server is not running")
+        reason = self.supervisor.unavailable_reason()
+        if reason is not None:
+            raise UnavailableError(f"pipeline unavailable: {reason}")
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request everywhere (barge-in, disconnect); its stream ends without error."""
+        return self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> bool:
         request = self._requests.get(request_id)
         if request is None:
             return False
@@ -161,6 +222,18 @@ class Coordinator:
         self._finish(request_id, None)
         self._broadcast(Abort([request_id]))
         return True
+
+    def _abandon(self, request_id: str) -> None:
+        """The request's stream was garbage collected unfinished (may run on any thread)."""
+        if self._is_stopping or self._loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # NOTE: the loop closed meanwhile: nothing left to abort
+            self._loop.call_soon_threadsafe(self.abort_nowait, request_id)
+
+    def _expire(self, request_id: str, timeout_s: float) -> None:
+        if request_id in self._requests:
+            self._finish(request_id, DeadlineExceeded(f"request exceeded its deadline of {timeout_s:g} s"))
+            self._broadcast(Abort([request_id]))
 
     @property
     def num_inflight(self) -> int:
@@ -180,7 +253,14 @@ class Coordinator:
     def _finish(self, request_id: str, outcome: RequestError | None) -> None:
         request = self._requests.pop(request_id, None)
         if request is not None:
+            if request.deadline is not None:
+                request.deadline.cancel()
             request.queue.put_nowait(outcome)
+
+    def _fail(self, request_id: str, error: RequestError) -> None:
+        if request_id in self._requests:
+            self._finish(request_id, error)
+            self._broadcast(Abort([request_id]))  # other stages drop what they hold
 
     # -- sockets ---------------------------------------------------------------------------------
 
@@ -192,21 +272,36 @@ class Coordinator:
 
     def _ack(self, refs: list[ShmRef]) -> None:
         for ack in acks_for(refs):
-            self._send(ipc.owner_process(ack.owner), ack)
+            if ack.owner == self.owner:
+                self.slab.ack(ack.slot_ids)
+            else:
+                self._send(ipc.owner_process(ack.owner), ack)
 
     async def _recv_loop(self) -> None:
         while True:
-            data = await self._inbox.recv()  # type: ignore[misc]  # zmq.asyncio returns a future
+            try:
+                data = await self._inbox.recv()  # type: ignore[misc]  # zmq.asyncio returns a future
+            except zmq.ZMQError as exc:  # NOTE: e.g. EMFILE; keep serving once it clears
+                log.error("coordinator inbox: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
             try:
                 msg, refs = self.codec.decode(data)
             except MessageError as exc:
-                log.warning("dropped a message: %s", exc)
+                self._drop(f"dropped a message: {exc}")
                 self._ack(exc.refs)
+                if exc.request_id is not None:
+                    error_cls = OverloadError if exc.is_overload else RequestError
+                    self._fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
                 continue
             try:
                 self._dispatch(msg, refs)
             except Exception:
-                log.exception("coordinator failed to handle %s", type(msg).__name__)
+                self._drop(f"coordinator failed to handle {type(msg).__name__}", exc_info=True)
+
+    def _drop(self, message: str, exc_info: bool = False) -> None:
+        self.num_dropped_messages += 1
+        log.warning(message, exc_info=exc_info)
 
     def _dispatch(self, msg: Message, refs: list[ShmRef]) -> None:
         if isinstance(msg, Output):
@@ -217,6 +312,9 @@ class Coordinator:
             request = self._requests.get(msg.request_id)
             if request is None:
                 return  # aborted or failed already
+            if msg.stage not in request.pending_terminals:
+                self._drop(f"dropped an Output of {msg.stage!r}, which is not a pending terminal stage")
+                return
             request.queue.put_nowait(TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final))
             if msg.is_final:
                 request.pending_terminals.discard(msg.stage)
@@ -225,101 +323,42 @@ class Coordinator:
             return
         self._ack(refs)
         if isinstance(msg, Failure):
-            if msg.request_id in self._requests:
-                self._finish(msg.request_id, RequestError(f"stage '{msg.stage}': {msg.message}"))
-                self._broadcast(Abort([msg.request_id]))  # other stages drop what they hold
+            error_cls = OverloadError if msg.is_overload else RequestError
+            self._fail(msg.request_id, error_cls(f"stage '{msg.stage}': {msg.message}"))
         elif isinstance(msg, Ack):
             if msg.owner == self.owner:
                 self.slab.ack(msg.slot_ids)
         elif isinstance(msg, Ready):
-            handle = self.launcher.handles.get(msg.process)
-            if handle is not None and handle.generation == msg.generation:
-                handle.state = ProcessState.READY
+            if not self.supervisor.on_ready(msg.process, msg.generation):
+                self._drop(f"dropped a stale or foreign Ready from {msg.process!r}")
         elif isinstance(msg, StartupFailed):
-            handle = self.launcher.handles.get(msg.process)
-            if handle is not None and handle.generation == msg.generation:
-                handle.state, handle.last_error = ProcessState.FAILED, msg.message
+            if not self.supervisor.on_startup_failed(msg.process, msg.generation, msg.message):
+                self._drop(f"dropped a stale or foreign StartupFailed from {msg.process!r}")
         elif isinstance(msg, StatsReply) and msg.nonce in self._stats:
             self._stats[msg.nonce][msg.process] = msg
 
-    # -- supervision -----------------------------------------------------------------------------
+    # -- after a stage process died ----------------------------------------------------------------
 
-    def _spawn_task(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _spawn(self, name: str) -> None:
-        handle = self.launcher.spawn(name)
-        handle.state = ProcessState.STARTING
-        assert handle.process is not None
-        self._loop.add_reader(handle.process.sentinel, self._on_exit, name, handle.generation)
-
-    async def _wait_ready(self, names: list[str]) -> None:
-        deadline = time.monotonic() + self.cfg.startup_timeout_s
-        while True:
-            handles = [self.launcher.handles[n] for n in names]
-            failed = [h for h in handles if h.state is ProcessState.FAILED]
-            if failed:
-                raise StartupError("; ".join(f"stage process '{h.name}': {h.last_error}" for h in failed))
-            pending = [h.name for h in handles if h.state is not ProcessState.READY]
-            if not pending:
-                return
-            if time.monotonic() > deadline:
-                raise StartupError(
-                    f"stage process(es) {', '.join(pending)} not ready after {self.cfg.startup_timeout_s:g} s"
-                )
-            self._broadcast(Probe(next(self._nonces)))
-            await asyncio.sleep(_PROBE_INTERVAL_S)
-
-    def _on_exit(self, name: str, generation: int) -> None:
-        handle = self.launcher.handles[name]
-        if handle.process is not None:
-            self._loop.remove_reader(handle.process.sentinel)
-        if self._is_stopping or generation != handle.generation:
-            return
-        exitcode = None
-        if handle.process is not None:
-            handle.process.join(1.0)  # NOTE: the sentinel can fire just before the child is reapable
-            exitcode = handle.process.exitcode
-        if handle.state is ProcessState.STARTING:
-            handle.state = ProcessState.FAILED
-            handle.last_error = handle.last_error or f"exited with code {exitcode} before it was ready"
-            return
-        self._spawn_task(self._recover(name, generation, exitcode))
-
-    async def _recover(self, name: str, generation: int, exitcode: int | None) -> None:
-        handle = self.launcher.handles[name]
-        handle.state = ProcessState.RESTARTING
+    def _on_down(self, handle: ProcessHandle, generation: int, reason: str) -> None:
+        name = handle.name
         owner = ipc.relay_owner(name, generation)
         stages = ", ".join(s.name for s in self.cfg.processes[name])
-        log.error("stage process '%s' (%s) died with exit code %s; restarting", name, stages, exitcode)
         sweep(self.launch_id, owner)
         # NOTE: every stage is reachable from the entry, so every request in flight may touch it.
         failed = list(self._requests)
-        error = RequestError(f"stage process '{name}' ({stages}) died with exit code {exitcode}")
         for request_id in failed:
-            self._finish(request_id, error)
+            self._finish(request_id, RequestError(f"stage process '{name}' ({stages}) died: {reason}"))
         if failed:
             self._broadcast(Abort(failed))
         self._broadcast(PeerDown(name, owner))
         self.reader.forget_owner(owner)
         self.slab.release_consumer(name)
         self._peers.reset(name)
-        now = time.monotonic()
-        handle.crash_times = [t for t in handle.crash_times if now - t < _RESTART_WINDOW_S] + [now]
-        if len(handle.crash_times) > self.max_restarts_per_minute:
-            handle.state = ProcessState.FAILED
-            handle.last_error = f"crashed {len(handle.crash_times)} times in a minute"
-            log.error("stage process '%s' is crash-looping; not restarting", name)
-            return
-        handle.num_restarts += 1
-        self._spawn(name)
-        try:
-            await self._wait_ready([name])
-        except StartupError as exc:
-            handle.state, handle.last_error = ProcessState.FAILED, str(exc)
-            log.error("restart of '%s' failed: %s", name, exc)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
 
 def _detach(obj: Any) -> Any:

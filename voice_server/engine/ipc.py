@@ -1,25 +1,49 @@
-"""Socket addresses and small ZMQ helpers shared by the coordinator and the stage shell.
+"""Socket addresses, control-plane authentication and small ZMQ helpers shared by the coordinator
+and the stage shell.
 
-With `control_transport: ipc` addresses derive from the launch id so two servers on one host never
-collide; they live in the Linux abstract socket namespace (`ipc://@...`): nothing to clean up on
-disk and no 107-byte path limit. With `tcp` the coordinator picks free ports on `tcp_host` at launch
-(the path stages placed on other hosts will take).
+Only the processes of one launch may talk on its control plane:
+- `control_transport: ipc`: the sockets are files in the launch's private run directory (mode 0700,
+  see `rundir.py`), so no other user can connect. Nothing about them is published over HTTP.
+- `control_transport: tcp`: every socket uses ZMQ CURVE with keys made at launch and handed to the
+  stage processes at spawn; a ZAP handler in each process admits only the launch's client key.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import signal
 import socket
 import sys
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
+import zmq.auth.thread
 
 from voice_server.config import PipelineConfig
+from voice_server.engine.rundir import RunDir
 
 COORDINATOR = "coord"
 """Process name of the server process (for relay owners and ack routing)."""
+_ZAP_DOMAIN = "voice-server"
+_MAX_IPC_PATH_LEN = 107  # NOTE: sun_path is 108 bytes with its terminating NUL
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """One server key pair (every bound socket) and one client key pair (every connecting socket)."""
+
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+    @classmethod
+    def create(cls) -> CurveKeys:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        return cls(server_public, server_secret, client_public, client_secret)
 
 
 @dataclass(frozen=True)
@@ -28,19 +52,68 @@ class Endpoints:
     """Process name (and COORDINATOR) -> the address its PULL inbox binds."""
     broadcast: str
     """The coordinator's PUB socket."""
+    curve: CurveKeys | None = None
+    """Keys of the launch (tcp only): never sent over the wire, only to children at spawn."""
 
     @classmethod
-    def create(cls, cfg: PipelineConfig, launch_id: str) -> Endpoints:
+    def create(cls, cfg: PipelineConfig, run_dir: RunDir) -> Endpoints:
         names = [COORDINATOR, *cfg.processes]
         if cfg.control_transport == "ipc":
-            return cls({n: f"ipc://@vs-{launch_id}-{n}" for n in names}, f"ipc://@vs-{launch_id}-pub")
+            paths = {n: run_dir.socket(f"in-{n}") for n in names}
+            pub = run_dir.socket("pub")
+            too_long = [p for p in [*paths.values(), pub] if len(p.encode()) > _MAX_IPC_PATH_LEN]
+            if too_long:
+                raise ValueError(
+                    f"control socket path {too_long[0]} is longer than {_MAX_IPC_PATH_LEN} bytes; "
+                    "set VOICE_SERVER_RUN_DIR to a shorter directory"
+                )
+            return cls({n: f"ipc://{p}" for n, p in paths.items()}, f"ipc://{pub}")
         ports = _free_ports(cfg.tcp_host, len(names) + 1)
-        addresses = [f"tcp://{cfg.tcp_host}:{port}" for port in ports]
-        return cls(dict(zip(names, addresses)), addresses[-1])
+        addresses = [f"tcp://{_host_literal(cfg.tcp_host)}:{port}" for port in ports]
+        return cls(dict(zip(names, addresses)), addresses[-1], CurveKeys.create())
+
+    def bind(self, sock: zmq.Socket, address: str) -> None:
+        if self.curve is not None:
+            sock.curve_server = True
+            sock.curve_secretkey = self.curve.server_secret
+            sock.curve_publickey = self.curve.server_public
+            sock.zap_domain = _ZAP_DOMAIN.encode()
+        sock.bind(address)
+
+    def connect(self, sock: zmq.Socket, address: str) -> None:
+        if self.curve is not None:
+            sock.curve_serverkey = self.curve.server_public
+            sock.curve_publickey = self.curve.client_public
+            sock.curve_secretkey = self.curve.client_secret
+        sock.connect(address)
+
+    def start_auth(self, ctx: zmq.Context) -> zmq.auth.thread.ThreadAuthenticator | None:
+        """Start the ZAP handler of a process that binds sockets (tcp only): admits the launch's key."""
+        if self.curve is None:
+            return None
+        # NOTE: the authenticator logs each refused handshake; its own logger keeps that separable.
+        auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger("voice_server.zap"))
+        auth.start()
+        auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=_LaunchKey(self.curve.client_public))
+        return auth
+
+
+class _LaunchKey:
+    def __init__(self, client_public: bytes) -> None:
+        self.client_public = client_public
+
+    def callback(self, domain: str, key: Any) -> bool:
+        # NOTE: pyzmq hands the client key in Z85 text; ours is Z85 from curve_keypair too.
+        return bool((key.encode() if isinstance(key, str) else key) == self.client_public)
+
+
+def _host_literal(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _free_ports(host: str, num: int) -> list[int]:
-    socks = [socket.socket() for _ in range(num)]
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    socks = [socket.socket(family) for _ in range(num)]
     try:
         for s in socks:
             s.bind((host, 0))
@@ -65,6 +138,7 @@ def configure(sock: zmq.Socket) -> zmq.Socket:
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)  # NOTE: lets `tcp_host` be an IPv6 address; IPv4 still works
     return sock
 
 
@@ -91,7 +165,7 @@ class Peers:
         sock = self._socks.get(process)
         if sock is None:
             sock = configure(self.ctx.socket(zmq.PUSH))
-            sock.connect(self.endpoints.inboxes[process])
+            self.endpoints.connect(sock, self.endpoints.inboxes[process])
             self._socks[process] = sock
         return sock
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import multiprocessing
 import multiprocessing.process
 import os
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 from voice_server.config import PipelineConfig, StageBudget
 from voice_server.engine.ipc import Endpoints
+from voice_server.engine.limits import EngineLimits
 from voice_server.engine.stage import ProcessSpec, run_stage_process
 
 _SPAWN = multiprocessing.get_context("spawn")
@@ -19,9 +21,12 @@ _SPAWN = multiprocessing.get_context("spawn")
 
 class ProcessState(enum.Enum):
     STARTING = "starting"
+    """Spawned; loading or waiting for the readiness handshake."""
     READY = "ready"
     RESTARTING = "restarting"
+    """Crashed (or failed to start); waiting out its backoff before the next attempt."""
     FAILED = "failed"
+    """Failed during the server's own start-up (the server does not start)."""
     STOPPED = "stopped"
 
 
@@ -32,33 +37,70 @@ class ProcessHandle:
     state: ProcessState = ProcessState.STARTING
     process: multiprocessing.process.BaseProcess | None = None
     num_restarts: int = 0
-    crash_times: list[float] = field(default_factory=list)
+    num_crashes: int = 0
+    """Consecutive crashes: sets the backoff; reset once the process has stayed up."""
+    started_at: float = 0.0
+    ready_at: float = 0.0
+    restart_at: float = 0.0
     last_error: str = ""
+    retired: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
+    """Earlier generations not yet reaped."""
 
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
 
+    def exitcode(self) -> int | None:
+        """The current process's exit code once it has exited (reaps it), else None."""
+        if self.process is None or self.process.pid is None:
+            return None
+        return None if self.process.is_alive() else self.process.exitcode
+
+    def reap(self) -> None:
+        """Collect exited earlier generations and release their descriptors."""
+        for proc in list(self.retired):
+            if not proc.is_alive():
+                proc.close()
+                self.retired.remove(proc)
+
 
 class Launcher:
-    def __init__(self, cfg: PipelineConfig, launch_id: str, budgets: list[StageBudget], endpoints: Endpoints) -> None:
+    def __init__(
+        self, cfg: PipelineConfig, launch_id: str, budgets: list[StageBudget], endpoints: Endpoints,
+        limits: EngineLimits,
+    ) -> None:
         self.cfg = cfg
         self.endpoints = endpoints
         self.launch_id = launch_id
+        self.limits = limits
         self.budgets = {b.stage: b.num_bytes for b in budgets}
         self.handles = {name: ProcessHandle(name) for name in cfg.processes}
 
     def spawn(self, name: str) -> ProcessHandle:
         handle = self.handles[name]
+        spec = ProcessSpec(
+            self.launch_id, name, handle.generation + 1, self.cfg, self.budgets, self.endpoints, self.limits,
+            logging.getLogger().getEffectiveLevel(),
+        )
+        process = _SPAWN.Process(target=run_stage_process, args=(spec,), name=f"voice-server[{name}]", daemon=True)
+        process.start()  # NOTE: may raise (EMFILE, EAGAIN): the handle is unchanged then
+        if handle.process is not None:
+            handle.retired.append(handle.process)
         handle.generation += 1
-        spec = ProcessSpec(self.launch_id, name, handle.generation, self.cfg, self.budgets, self.endpoints)
-        handle.process = _SPAWN.Process(target=run_stage_process, args=(spec,), name=f"vs-{name}", daemon=True)
-        handle.process.start()
+        handle.process = process
+        handle.state = ProcessState.STARTING
+        handle.started_at = time.monotonic()
         return handle
+
+    def kill(self, handle: ProcessHandle) -> None:
+        proc = handle.process
+        if proc is not None and proc.pid is not None and proc.is_alive():
+            proc.kill()
 
     def terminate_all(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every live process, wait, then SIGKILL stragglers: no orphans survive."""
-        live = [h.process for h in self.handles.values() if h.process is not None and h.process.is_alive()]
+        procs = [p for h in self.handles.values() for p in [h.process, *h.retired] if p is not None]
+        live = [p for p in procs if p.pid is not None and p.is_alive()]
         for proc in live:
             if proc.pid is not None:
                 os.kill(proc.pid, signal.SIGTERM)

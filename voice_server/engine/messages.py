@@ -13,10 +13,11 @@ Grouped by receiver:
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from voice_server.relay.codec import pack, unpack
+from voice_server.relay.codec import RelayReadError, pack, unpack
 from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
 
 
@@ -66,6 +67,8 @@ class Failure:
     request_id: str
     stage: str
     message: str
+    is_overload: bool = False
+    """The stage ran out of a bounded resource (relay bytes, segments, descriptors): retryable."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ class StatsReply:
     """Stage name -> request ids it holds."""
     num_live_slots: int
     num_used_bytes: int
+    num_dropped_messages: int
+    """Malformed or foreign control messages this process dropped."""
+    aborted_at: dict[str, float]
+    """Recently aborted request id -> CLOCK_MONOTONIC time this process dropped it."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +138,41 @@ _FIELDS: dict[type, tuple[str, ...]] = {
 }
 
 
+def _type_check(hint: Any) -> typing.Callable[[Any], bool]:
+    """A predicate for one field annotation (the few shapes messages use)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return lambda v: isinstance(v, bool)
+    if hint is int:
+        return lambda v: isinstance(v, int) and not isinstance(v, bool)
+    if hint is float:
+        return lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    if hint is str:
+        return lambda v: isinstance(v, str)
+    if origin is list:
+        item = _type_check(args[0])
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
+    if origin is dict:
+        key, value = _type_check(args[0]), _type_check(args[1])
+        return lambda v: isinstance(v, dict) and all(key(k) and value(x) for k, x in v.items())
+    if hint is Any:
+        return lambda v: True
+    raise TypeError(f"no wire check for {hint!r}")
+
+
+# NOTE: a message from the wire is checked field by field before any handler sees it: a wrong type
+# (a list as request id, a string as payload) must be dropped, not crash the receiver later.
+_CHECKS: dict[type, tuple[tuple[str, typing.Callable[[Any], bool]], ...]] = {
+    cls: tuple((name, _type_check(hint)) for name, hint in typing.get_type_hints(cls).items())
+    for cls in _TYPES
+}
+_NUM_REQUIRED: dict[type, int] = {
+    cls: sum(1 for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+             and f.default_factory is dataclasses.MISSING)
+    for cls in _TYPES
+}
+
+
 def acks_for(refs: list[ShmRef]) -> list[Ack]:
     """One Ack per producer slab for the relay slots a receiver is done with."""
     by_owner: dict[str, list[int]] = {}
@@ -140,11 +182,20 @@ def acks_for(refs: list[ShmRef]) -> list[Ack]:
 
 
 class MessageError(ValueError):
-    """Bytes on a control socket that are not a valid message; `refs` must still be acked."""
+    """Bytes on a control socket that are not a valid message; `refs` must still be acked.
 
-    def __init__(self, message: str, refs: list[ShmRef] | None = None) -> None:
+    `request_id`/`stage` are set when a well-formed work or output message could not be read
+    (its relay tensor could not be mapped): the receiver fails that request instead of losing a
+    chunk silently. `is_overload` says the cause was a resource limit (e.g. no descriptors left).
+    """
+
+    def __init__(
+        self, message: str, refs: list[ShmRef] | None = None, request_id: str | None = None,
+        stage: str | None = None, is_overload: bool = False,
+    ) -> None:
         super().__init__(message)
         self.refs = refs or []
+        self.request_id, self.stage, self.is_overload = request_id, stage, is_overload
 
 
 @dataclass
@@ -166,13 +217,33 @@ class Codec:
     def decode(self, data: bytes) -> tuple[Message, list[ShmRef]]:
         try:
             obj, any_refs = unpack(data, self.reader, as_torch=self.as_torch)
-        except Exception as exc:  # malformed msgpack or a reference into a vanished segment
+        except RelayReadError as exc:  # well-formed, but a relay tensor could not be mapped
+            refs = [r for r in exc.refs if isinstance(r, ShmRef)]
+            request_id, stage = _work_identity(exc.obj)
+            raise MessageError(
+                f"cannot read relayed tensor: {exc.cause}", refs, request_id, stage, isinstance(exc.cause, OSError)
+            ) from exc
+        except Exception as exc:  # malformed msgpack
             raise MessageError(f"undecodable control message: {exc}") from exc
         # NOTE: the engine reads through ShmReader only, so every reference is an ShmRef.
         refs = [r for r in any_refs if isinstance(r, ShmRef)]
-        if not isinstance(obj, list) or not obj or not isinstance(obj[0], int) or not 0 <= obj[0] <= self.MAX_TAG:
+        if not isinstance(obj, list) or not obj or type(obj[0]) is not int or not 0 <= obj[0] <= self.MAX_TAG:
             raise MessageError("control message without a valid tag", refs)
         cls = _TYPES[obj[0]]
-        if len(obj) - 1 != len(_FIELDS[cls]):
-            raise MessageError(f"{cls.__name__}: expected {len(_FIELDS[cls])} fields, got {len(obj) - 1}", refs)
-        return cls(*obj[1:]), refs
+        values = obj[1:]
+        if not _NUM_REQUIRED[cls] <= len(values) <= len(_FIELDS[cls]):
+            raise MessageError(f"{cls.__name__}: expected {len(_FIELDS[cls])} fields, got {len(values)}", refs)
+        for value, (name, check) in zip(values, _CHECKS[cls]):
+            if not check(value):
+                raise MessageError(f"{cls.__name__}.{name}: unexpected {type(value).__name__}", refs)
+        return cls(*values), refs
+
+
+def _work_identity(obj: object) -> tuple[str | None, str | None]:
+    """(request id, stage) of a decoded work or output message, else (None, None)."""
+    if isinstance(obj, list) and len(obj) >= 3 and type(obj[0]) is int and 0 <= obj[0] < len(_TYPES):
+        cls = _TYPES[obj[0]]
+        if cls in (NewRequest, StreamChunk, StreamDone, Output) and isinstance(obj[1], str) \
+                and isinstance(obj[2], str):
+            return obj[1], obj[2]
+    return None, None

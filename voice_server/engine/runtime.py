@@ -3,13 +3,14 @@ shell needs to route outputs (open downstream streams, relay slots held per requ
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
 from voice_server.config import PipelineConfig, StageConfig
+from voice_server.config.checks import resolve_factory
+from voice_server.config.errors import show
 from voice_server.relay.shm import ShmRef
-from voice_server.scheduling import BaseScheduler, Compute, SimpleScheduler
+from voice_server.scheduling import SCHEDULER_BUILDERS, BaseScheduler, Compute
 
 
 @dataclass(frozen=True)
@@ -28,20 +29,25 @@ class StageContext:
 
 
 def create_scheduler(stage: StageConfig) -> BaseScheduler:
-    if stage.scheduler == "simple":
-        return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0)
-    # NOTE: validated names whose implementation lands with the AR scheduling issue.
-    raise NotImplementedError(f"stage '{stage.name}': scheduler '{stage.scheduler}' is not implemented yet")
+    build = SCHEDULER_BUILDERS.get(stage.scheduler)
+    if build is None:
+        # NOTE: validated names whose implementation lands with the AR scheduling issue.
+        where = f"stage '{stage.name}': field 'scheduler'"
+        raise NotImplementedError(f"{where}: '{stage.scheduler}' is not implemented yet")
+    return build(stage)
 
 
 def create_compute(ctx: StageContext) -> Compute:
-    module_name, _, attr = ctx.stage.factory.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        where = f"stage '{ctx.stage.name}': field 'factory'"
-        raise ImportError(f"{where}: cannot import {ctx.stage.factory}: {exc}") from exc
+    factory = resolve_factory(ctx.stage)
     compute: Compute = factory(ctx)
+    # NOTE: checked here, at start-up, so a bad factory is a StartupFailed naming the stage instead
+    # of a stage process that dies on its first request.
+    missing = [name for name in ("execute", "release") if not callable(getattr(compute, name, None))]
+    if missing:
+        raise TypeError(
+            f"stage '{ctx.stage.name}': field 'factory': {ctx.stage.factory} returned {show(compute)}, "
+            f"which has no callable {' or '.join(missing)}"
+        )
     return compute
 
 
@@ -56,10 +62,13 @@ class StageRuntime:
     """Request id -> downstream stage -> chunks sent (a key exists once its stream is open)."""
     held_refs: dict[str, list[ShmRef]] = field(default_factory=dict)
     """Request id -> relay slots this stage reads; acked when the request leaves the stage."""
+    num_chunks_received: dict[str, int] = field(default_factory=dict)
+    """Request id -> upstream stream chunks received so far (a gap fails the request)."""
 
     def forget(self, request_id: str) -> list[ShmRef]:
         """The request left the stage: drop its state, return the relay slots to ack."""
         self.params.pop(request_id, None)
         self.num_chunks_sent.pop(request_id, None)
+        self.num_chunks_received.pop(request_id, None)
         self.compute.release(request_id)
         return self.held_refs.pop(request_id, [])

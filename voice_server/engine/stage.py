@@ -8,6 +8,7 @@ scheduler type.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -18,10 +19,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import setproctitle
 import zmq
 
 from voice_server.config import PipelineConfig
 from voice_server.engine import ipc
+from voice_server.engine.limits import EngineLimits
 from voice_server.engine.messages import (
     Abort,
     Ack,
@@ -42,13 +45,14 @@ from voice_server.engine.messages import (
     acks_for,
 )
 from voice_server.engine.runtime import StageContext, StageRuntime, create_compute, create_scheduler
-from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
+from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab
 from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
 
 log = logging.getLogger("voice_server.stage")
 _IDLE_POLL_MS = 100
 _MAX_DRAIN = 256
 _NUM_ABORTED_KEPT = 4096
+_NUM_ABORTS_REPORTED = 256
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,10 @@ class ProcessSpec:
     pipeline: PipelineConfig
     budgets: dict[str, int | None]
     endpoints: ipc.Endpoints
+    """Addresses and (tcp) the launch's CURVE keys: handed over at spawn, never on the wire."""
+    limits: EngineLimits
+    log_level: int = logging.INFO
+    """The server's log level, so `--log-level debug` reaches the stages too."""
 
 
 def _exit_now(signum: int, frame: object) -> None:
@@ -70,7 +78,9 @@ def run_stage_process(spec: ProcessSpec) -> None:
     # NOTE: Ctrl-C reaches the whole process group; the server shuts stages down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ipc.die_with_parent()
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
+    # NOTE: operators find stage processes by name (`ps`), since /health publishes no PIDs.
+    setproctitle.setproctitle(f"voice-server[{spec.process}]")
+    logging.basicConfig(level=spec.log_level, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
     # NOTE: until the stage reports ready, SIGTERM ends the process at once (SystemExit unwinds a
     # factory that is still loading, and `close` still runs); afterwards it stops the loop cleanly.
     signal.signal(signal.SIGTERM, _exit_now)
@@ -88,21 +98,27 @@ class StageShell:
         self.owner = ipc.relay_owner(spec.process, spec.generation)
         self.is_running = True
         self._parent_pid = os.getppid()
+        self.num_dropped_messages = 0
         self.ctx = zmq.Context()
+        self._auth = spec.endpoints.start_auth(self.ctx)
         self.inbox = ipc.configure(self.ctx.socket(zmq.PULL))
-        self.inbox.bind(spec.endpoints.inboxes[spec.process])
+        spec.endpoints.bind(self.inbox, spec.endpoints.inboxes[spec.process])
         self.sub = ipc.configure(self.ctx.socket(zmq.SUB))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-        self.sub.connect(spec.endpoints.broadcast)
+        spec.endpoints.connect(self.sub, spec.endpoints.broadcast)
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
         self._peers = ipc.Peers(self.ctx, spec.endpoints)
-        self.slab = ShmSlab(spec.launch_id, self.owner, self.cfg.relay_slab_bytes)
+        self.slab = ShmSlab(
+            spec.launch_id, self.owner, self.cfg.relay_slab_bytes,
+            max_bytes=spec.limits.max_relay_bytes, max_overflow_segments=spec.limits.max_relay_segments,
+        )
         self.reader = ShmReader()
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes, as_torch=False)
         self.stages: dict[str, StageRuntime] = {}
-        self._aborted: OrderedDict[str, None] = OrderedDict()
+        self._aborted: OrderedDict[str, float] = OrderedDict()
+        """Recently aborted request ids -> when this process dropped them (late messages are ignored)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -112,6 +128,8 @@ class StageShell:
     def close(self) -> None:
         self.slab.close()
         self.reader.close()
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.destroy(linger=0)
 
     def run(self) -> None:
@@ -120,8 +138,11 @@ class StageShell:
                 ctx = StageContext(stage, self.cfg, self.spec.budgets.get(stage.name), self.spec.launch_id)
                 self.stages[stage.name] = StageRuntime(stage, create_scheduler(stage), create_compute(ctx))
         except Exception as exc:
-            log.exception("startup failed")
-            self._send(ipc.COORDINATOR, StartupFailed(self.spec.process, self.spec.generation, repr(exc)))
+            message = f"{type(exc).__name__}: {exc}"
+            # NOTE: one line for the operator (the server repeats it); the traceback at debug level.
+            log.error("startup failed: %s", message)
+            log.debug("startup failure traceback", exc_info=True)
+            self._send(ipc.COORDINATOR, StartupFailed(self.spec.process, self.spec.generation, message))
             time.sleep(0.2)  # NOTE: give ZMQ a moment to flush before the process exits
             return
         if not self._await_probe():
@@ -167,14 +188,19 @@ class StageShell:
             emits = runtime.scheduler.fail(batch, f"{type(exc).__name__}: {exc}")
         else:
             emits = runtime.scheduler.update(batch, result)
+        failed: set[str] = set()
         for emit in emits:
+            if emit.request_id in failed:
+                continue
             try:
                 self._route(runtime, emit)
-            except (TypeError, ValueError, OverflowError) as exc:
-                # NOTE: a compute that emits something msgpack cannot carry fails that request only.
+            except (TypeError, ValueError, OverflowError, RelayFullError, OSError) as exc:
+                # NOTE: an output msgpack cannot carry, or no relay room left (bytes, segments,
+                # descriptors), fails that request only; the latter as a retryable overload.
                 log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, exc)
-                runtime.scheduler.abort(emit.request_id)
-                self._route(runtime, Emit(emit.request_id, EmitKind.ERROR, message=f"output cannot be sent: {exc}"))
+                is_overload = isinstance(exc, (RelayFullError, OSError))
+                self._fail_request(runtime, emit.request_id, f"output cannot be sent: {exc}", is_overload)
+                failed.add(emit.request_id)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(_MAX_DRAIN):
@@ -182,14 +208,24 @@ class StageShell:
                 data = sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._dispatch(data)
+            try:
+                self._dispatch(data)
+            except Exception:  # NOTE: one bad message never takes the stage down
+                self.num_dropped_messages += 1
+                log.exception("dropped a message that could not be handled")
 
     def _decode(self, data: bytes) -> tuple[Message, list[ShmRef]] | None:
         try:
             return self.codec.decode(data)
         except MessageError as exc:
+            self.num_dropped_messages += 1
             log.warning("dropped a message: %s", exc)
             self._ack(exc.refs)
+            runtime = self.stages.get(exc.stage or "")
+            if runtime is not None and exc.request_id is not None \
+                    and exc.request_id in runtime.scheduler.active_request_ids:
+                # NOTE: a work item that cannot be read would leave a hole in the request's stream.
+                self._fail_request(runtime, exc.request_id, str(exc), exc.is_overload)
             return None
 
     def _recv(self, sock: zmq.Socket) -> Message | None:
@@ -220,37 +256,68 @@ class StageShell:
             self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
+            recent = dict(itertools.islice(reversed(self._aborted.items()), _NUM_ABORTS_REPORTED))
             self._send(ipc.COORDINATOR, StatsReply(
                 self.spec.process, self.spec.generation, msg.nonce, active,
-                self.slab.num_live_slots, self.slab.num_used_bytes,
+                self.slab.num_live_slots, self.slab.num_used_bytes, self.num_dropped_messages, recent,
             ))
 
     def _on_work(self, msg: NewRequest | StreamChunk | StreamDone, refs: list[ShmRef]) -> None:
         runtime = self.stages.get(msg.stage)
-        if runtime is None or msg.request_id in self._aborted:
+        if runtime is None:
+            self.num_dropped_messages += 1
+            log.warning("dropped work for stage %r, which this process does not run", msg.stage)
+            self._ack(refs)
+            return
+        if msg.request_id in self._aborted:
             self._ack(refs)
             return
         rid, now = msg.request_id, time.monotonic()
         if isinstance(msg, NewRequest):
+            if rid in runtime.scheduler.active_request_ids:
+                self.num_dropped_messages += 1
+                log.warning("dropped a second NewRequest for %s", rid)
+                self._ack(refs)
+                return
             runtime.params[rid] = msg.params
+            runtime.num_chunks_received[rid] = 0
             item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params)
         elif rid not in runtime.scheduler.active_request_ids:
             self._ack(refs)  # late chunk of a request that already left this stage
             return
-        elif isinstance(msg, StreamChunk):
-            item = WorkItem(rid, WorkKind.CHUNK, msg.payload, runtime.params.get(rid, {}), msg.seq)
         else:
-            item = WorkItem(rid, WorkKind.DONE, {}, runtime.params.get(rid, {}), msg.num_chunks)
+            # NOTE: the shell checks each upstream stream is whole, so a request either completes
+            # with every chunk or fails; it never "completes" with a hole.
+            num_received = runtime.num_chunks_received.get(rid, 0)
+            expected = msg.seq if isinstance(msg, StreamChunk) else msg.num_chunks
+            if expected != num_received:
+                self._ack(refs)
+                self._fail_request(runtime, rid, f"upstream stream incomplete: expected chunk {num_received}, "
+                                   f"got {'chunk' if isinstance(msg, StreamChunk) else 'end after'} {expected}",
+                                   is_overload=False)
+                return
+            if isinstance(msg, StreamChunk):
+                runtime.num_chunks_received[rid] = num_received + 1
+                item = WorkItem(rid, WorkKind.CHUNK, msg.payload, runtime.params.get(rid, {}), msg.seq)
+            else:
+                item = WorkItem(rid, WorkKind.DONE, {}, runtime.params.get(rid, {}), msg.num_chunks)
         runtime.held_refs.setdefault(rid, []).extend(refs)
         runtime.scheduler.add(item, now)
 
     def _abort(self, request_id: str) -> None:
-        self._aborted[request_id] = None
+        self._aborted[request_id] = time.monotonic()
         if len(self._aborted) > _NUM_ABORTED_KEPT:
             self._aborted.popitem(last=False)
         for runtime in self.stages.values():
             runtime.scheduler.abort(request_id)
             self._ack(runtime.forget(request_id))
+
+    def _fail_request(self, runtime: StageRuntime, request_id: str, message: str, is_overload: bool) -> None:
+        """The request fails here: tell the coordinator (which aborts it elsewhere), drop it locally."""
+        runtime.scheduler.abort(request_id)
+        self._aborted[request_id] = time.monotonic()
+        self._send(ipc.COORDINATOR, Failure(request_id, runtime.cfg.name, message, is_overload))
+        self._ack(runtime.forget(request_id))
 
     # -- output routing --------------------------------------------------------------------------
 

@@ -87,15 +87,29 @@ def pack(
         raise
 
 
+class RelayReadError(Exception):
+    """A well-formed message whose relayed tensor could not be read (segment gone, no descriptors).
+
+    `obj` is the message with None in place of the unreadable tensors; `refs` are all its references,
+    which must still be acked so the producer frees them.
+    """
+
+    def __init__(self, obj: object, refs: list[RelayRef], cause: BaseException) -> None:
+        super().__init__(f"cannot read relayed tensor: {cause}")
+        self.obj, self.refs, self.cause = obj, refs, cause
+
+
 def unpack(
     data: bytes | memoryview, reader: ConsumerTransport | None, as_torch: bool = False
 ) -> tuple[object, list[RelayRef]]:
     """Decode a `pack` message; returns (object, refs whose slot_ids to ack once the tensors are unused).
 
     `reader` is an `ShmReader` (or the ConsumerTransport matching the sender's). Shared-memory tensors
-    are zero-copy views into the producer's slab: they must not be used after the ack.
+    are zero-copy views into the producer's slab: they must not be used after the ack. Raises
+    RelayReadError when a reference cannot be read, after decoding the rest.
     """
     refs: list[RelayRef] = []
+    errors: list[BaseException] = []
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == EXT_INLINE_TENSOR:
@@ -106,8 +120,15 @@ def unpack(
             if reader is None:
                 raise ValueError(f"message carries a relayed tensor ({type(ref).__name__}) but no reader")
             refs.append(ref)
-            return reader.get(ref, as_torch)
+            try:
+                return reader.get(ref, as_torch)
+            except (OSError, ValueError) as exc:
+                # NOTE: keep decoding, so the caller learns which request this was and all refs to ack.
+                errors.append(exc)
+                return None
         return msgpack.ExtType(code, payload)
 
     obj = msgpack.unpackb(data, ext_hook=ext_hook, raw=False, strict_map_key=False)
+    if errors:
+        raise RelayReadError(obj, refs, errors[0])
     return obj, refs

@@ -119,6 +119,10 @@ def _unlink_paths(paths: set[str], pid: int) -> None:
     paths.clear()
 
 
+class RelayFullError(RuntimeError):
+    """A put would exceed the slab's bound on live bytes or overflow segments (retry later)."""
+
+
 @dataclass(frozen=True)
 class ShmRef:
     owner: str
@@ -150,12 +154,23 @@ class _Slot:
 
 
 class ShmSlab(ProducerTransport):
-    """Producer side: first-fit free list (coalescing, 64-byte aligned) over one prefaulted segment."""
+    """Producer side: first-fit free list (coalescing, 64-byte aligned) over one prefaulted segment.
 
-    def __init__(self, launch_id: str, owner: str, capacity_bytes: int, shm_dir: str = SHM_DIR) -> None:
+    `max_bytes` bounds the live bytes (slab and overflow together) and `max_overflow_segments` the
+    live overflow segments, each of which holds a file descriptor while mapped; beyond either bound
+    `put` raises RelayFullError instead of exhausting /dev/shm or the descriptor table.
+    """
+
+    def __init__(
+        self, launch_id: str, owner: str, capacity_bytes: int, shm_dir: str = SHM_DIR,
+        max_bytes: int | None = None, max_overflow_segments: int | None = None,
+    ) -> None:
         _check_ids(launch_id, owner)
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        self.max_bytes = max_bytes
+        self.max_overflow_segments = max_overflow_segments
+        self.num_overflow_segments = 0
         self.launch_id = launch_id
         self.owner = owner
         self.shm_dir = shm_dir
@@ -226,14 +241,32 @@ class ShmSlab(ProducerTransport):
         nbytes = int(src.nbytes)
         size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
         with self._lock:
+            if self.max_bytes is not None and self._num_used_bytes + size > self.max_bytes:
+                raise RelayFullError(
+                    f"relay of {self.owner} is full: {self._num_used_bytes} + {size} bytes > {self.max_bytes}"
+                )
             offset = self._alloc(size)
+            if offset is None:
+                if self.max_overflow_segments is not None and \
+                        self.num_overflow_segments >= self.max_overflow_segments:
+                    raise RelayFullError(
+                        f"relay of {self.owner} is full: {self.num_overflow_segments} overflow segments live"
+                    )
+                self.num_overflow_segments += 1
+            # NOTE: bytes and segment are reserved under the lock, before the segment exists.
+            self._num_used_bytes += size
             slot_id = next(self._slot_ids)
         # NOTE: an overflow segment (fallocate of the whole tensor) is created outside the lock so acks
         # from other threads are not held up.
-        overflow = self._create_segment(size) if offset is None else None
+        try:
+            overflow = self._create_segment(size) if offset is None else None
+        except BaseException:
+            with self._lock:
+                self._num_used_bytes -= size
+                self.num_overflow_segments -= 1
+            raise
         with self._lock:
             self._slots[slot_id] = _Slot(consumer, offset or 0, size, overflow)
-            self._num_used_bytes += size
             self.num_overflow_puts += overflow is not None
         segment, mm = overflow if overflow is not None else (self.segment, self._mm)
         try:
@@ -249,6 +282,7 @@ class ShmSlab(ProducerTransport):
     def _release(self, slot: _Slot) -> None:
         self._num_used_bytes -= slot.size
         if slot.overflow is not None:
+            self.num_overflow_segments -= 1
             self._drop_segment(*slot.overflow)
         else:
             self._free_region(slot.offset, slot.size)
@@ -276,6 +310,7 @@ class ShmSlab(ProducerTransport):
             self._slots.clear()
             self._free = [(0, self.capacity_bytes)]
             self._num_used_bytes = 0
+            self.num_overflow_segments = 0
             if not self._mm.closed:
                 self._drop_segment(self.segment, self._mm)
             self._finalizer()
