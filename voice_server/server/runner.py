@@ -27,6 +27,7 @@ from typing import Any
 import uvicorn
 
 from voice_server.config import PipelineConfig
+from voice_server.config.errors import one_line
 from voice_server.engine.coordinator import Coordinator, StartupError
 from voice_server.server.app import create_app
 from voice_server.server.http import HttpLimits, bind_socket, protocol_class
@@ -65,7 +66,7 @@ def run_server(cfg: PipelineConfig, options: ServeOptions) -> int:
         return asyncio.run(_serve_until_stopped(cfg, options))
     except ServeError as exc:
         log.debug("start-up failed", exc_info=True)
-        print(f"start-up error: {exc}", file=sys.stderr)
+        print(f"start-up error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
         return EXIT_STARTUP_ERROR
     except KeyboardInterrupt:  # NOTE: Ctrl-C before the loop took over SIGINT: nothing started yet
         return EXIT_STOPPED
@@ -162,12 +163,15 @@ async def _serve(cfg: PipelineConfig, options: ServeOptions, stopper: _Stopper) 
 def describe_startup_error(cfg: PipelineConfig, coordinator: Coordinator, exc: StartupError) -> str:
     """The coordinator's error plus the config fields behind it (each failed stage's factory, or the
     pipeline's `startup_timeout_s` when a stage was merely slow)."""
-    failed = {name: h.last_error for name, h in coordinator.launcher.handles.items() if h.last_error}
+    launcher = getattr(coordinator, "launcher", None)  # NOTE: absent if start failed before spawning
+    handles = launcher.handles if launcher is not None else {}
+    failed = {name: h.last_error for name, h in handles.items() if h.last_error}
     text = str(exc)
     details = []
     for name in failed:
         stages = cfg.processes.get(name, ())
-        details += [f"stage '{s.name}' has factory {s.factory}" for s in stages if s.factory not in text]
+        # NOTE: a cause that names its stage already names the field (config errors do).
+        details += [f"stage '{s.name}' has factory {s.factory}" for s in stages if f"stage '{s.name}'" not in text]
     if not failed:
         details.append(
             f"the pipeline's startup_timeout_s is {cfg.startup_timeout_s:g} s; raise it if a stage loads for longer"
