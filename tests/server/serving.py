@@ -135,9 +135,14 @@ class Launcher:
 
     def close(self) -> None:
         for server in self.started:
-            if server.proc.poll() is None:
-                children = children_of(server.proc.pid)
+            if server.proc.poll() is not None:
+                continue
+            children = children_of(server.proc.pid)
+            server.proc.terminate()  # NOTE: a clean stop removes the launch's shared memory; a kill cannot
+            try:
+                server.proc.wait(10)
+            except subprocess.TimeoutExpired:
                 server.proc.kill()
                 server.proc.wait()
-                for pid in wait_gone(children, 5.0):
-                    os.kill(pid, signal.SIGKILL)
+            for pid in wait_gone(children, 5.0):
+                os.kill(pid, signal.SIGKILL)
