@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+from typing import Any
 
 from voice_server.config import ConfigError, PipelineConfig, format_budget, load_pipeline, plan_budget
 from voice_server.config.checks import check_environment
@@ -54,20 +54,39 @@ def check_config(path: str, *, show_traceback: bool = False) -> int:
     return 0
 
 
-def serve(path: str, host: str, port: int, log_level: str) -> int:
+def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any]) -> int:
+    """Exit 0 after SIGTERM/SIGINT (at any point, start-up included), 2 on a config or start-up error."""
     try:
         cfg = load_pipeline(path)
         plan_budget(cfg)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    import uvicorn
+    from voice_server.server.http import HttpLimits, raise_nofile_limit
+    from voice_server.server.runner import ServeOptions, configure_logging, run_server
 
-    from voice_server.server.app import create_app
+    configure_logging(log_level)
+    raise_nofile_limit()  # NOTE: before HttpLimits, whose default max_connections derives from it
+    try:
+        http_limits = HttpLimits(**{k: v for k, v in limits.items() if v is not None})
+    except ValueError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    return run_server(cfg, ServeOptions(host, port, log_level, http_limits))
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    uvicorn.run(create_app(cfg), host=host, port=port, log_level=log_level)
-    return 0
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,13 +96,37 @@ def main(argv: list[str] | None = None) -> int:
     p_serve.add_argument("--config", default="configs/default.yaml")
     p_serve.add_argument("--host", default="127.0.0.1")
     p_serve.add_argument("--port", type=int, default=8000)
-    p_serve.add_argument("--log-level", default="info")
+    p_serve.add_argument(
+        "--log-level", default="info", type=str.lower,
+        choices=["critical", "error", "warning", "info", "debug", "trace"],
+    )
+    p_serve.add_argument(
+        "--max-connections", type=_positive_int, default=None,
+        help="open client connections (HTTP and WebSocket) before new ones get 503 and are closed at once "
+        "(default: half the descriptor limit, at most 4096)",
+    )
+    p_serve.add_argument(
+        "--request-head-timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help="close a connection that has not sent a complete request head in this time (default: 5)",
+    )
+    p_serve.add_argument(
+        "--keep-alive-timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help="close an idle keep-alive connection this long after its last response (default: 5)",
+    )
+    p_serve.add_argument(
+        "--backlog", type=_positive_int, default=None,
+        help="TCP listen backlog (default: an eighth of the descriptor limit, at most 2048)",
+    )
     p_check = sub.add_parser("check-config", help="validate a pipeline and print its topology and memory budget")
     p_check.add_argument("config")
     p_check.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected failure")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        return serve(args.config, args.host, args.port, args.log_level)
+        limits = {
+            "max_connections": args.max_connections, "request_head_timeout_s": args.request_head_timeout,
+            "keep_alive_timeout_s": args.keep_alive_timeout, "backlog": args.backlog,
+        }
+        return serve(args.config, args.host, args.port, args.log_level, limits)
     return check_config(args.config, show_traceback=args.traceback)
 
 

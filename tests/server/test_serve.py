@@ -93,8 +93,7 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
         pids.append(new_sink)
 
         proc.send_signal(stop_signal)
-        # NOTE: uvicorn re-raises the captured signal once shutdown completes.
-        assert proc.wait(timeout=30) in (0, -stop_signal)
+        assert proc.wait(timeout=30) == 0  # NOTE: `serve` exits 0 after a stop signal
         time.sleep(0.2)
         assert [pid for pid in pids if is_alive(pid)] == []
         assert shm_segments(launch_id) == []

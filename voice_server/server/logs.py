@@ -1,0 +1,144 @@
+"""Log rate limiting: an attack (or a crash loop) must not turn the log into the bottleneck.
+
+`install_rate_limit()` puts a `RateLimitFilter` on each handler of the root logger. Identical
+records (same logger, level and formatted message) pass `num_per_window` times per `window_s`
+window; later repeats are dropped and counted, and when the window ends one line says
+`suppressed K repeats of: <message>`. Records that differ (another client address, another
+request id) are never suppressed.
+
+The summary of a window is written by the next record that reaches the handler after the window
+ended, or by `flush_rate_limits()`: a long-lived process should call it now and then (`serve`
+does, every second) and once with `is_final=True` before it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+_IS_SUMMARY = "vs_rate_limit_summary"
+_SUMMARY_MESSAGE_LEN = 200
+
+
+@dataclass(frozen=True)
+class RateLimit:
+    num_per_window: int = 5
+    """Identical records let through per window."""
+    window_s: float = 10.0
+    max_keys: int = 1024
+    """Distinct messages tracked at once; the oldest window is closed early beyond it."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_per_window", "max_keys"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"rate limit '{name}' must be an integer >= 1, got {value!r}")
+        if isinstance(self.window_s, bool) or not isinstance(self.window_s, (int, float)) or not self.window_s > 0:
+            raise ValueError(f"rate limit 'window_s' must be a number of seconds > 0, got {self.window_s!r}")
+
+
+@dataclass
+class _Window:
+    start: float
+    record: logging.LogRecord
+    num_seen: int = 0
+
+
+class RateLimitFilter(logging.Filter):
+    """A handler filter; it writes its summaries through `handler`."""
+
+    def __init__(self, handler: logging.Handler, limit: RateLimit) -> None:
+        super().__init__()
+        self.handler = handler
+        self.limit = limit
+        self._windows: OrderedDict[tuple[str, int, str], _Window] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, _IS_SUMMARY, False):
+            return True
+        now = time.monotonic()
+        try:
+            message = record.getMessage()
+        except Exception:  # NOTE: a bad format is the handler's to report (handleError), not ours
+            message = str(record.msg)
+        key = (record.name, record.levelno, message)
+        with self._lock:
+            summaries = self._expire(now)
+            window = self._windows.get(key)
+            if window is None:
+                if len(self._windows) >= self.limit.max_keys:
+                    summaries += self._close(next(iter(self._windows)))
+                window = self._windows[key] = _Window(now, record)
+            window.num_seen += 1
+            is_passed = window.num_seen <= self.limit.num_per_window
+        # NOTE: outside the lock: the handler runs this filter again for each summary.
+        for summary in summaries:
+            self.handler.handle(summary)
+        return is_passed
+
+    def flush(self, is_final: bool = False) -> None:
+        """Write the summaries of the windows that have ended (all of them if `is_final`: at exit)."""
+        with self._lock:
+            summaries = self._expire(float("inf") if is_final else time.monotonic())
+        for summary in summaries:
+            self.handler.handle(summary)
+
+    def _expire(self, now: float) -> list[logging.LogRecord]:
+        # NOTE: windows are kept in start order, so the expired ones are at the front.
+        summaries: list[logging.LogRecord] = []
+        while self._windows:
+            key, window = next(iter(self._windows.items()))
+            if now - window.start < self.limit.window_s:
+                break
+            summaries += self._close(key)
+        return summaries
+
+    def _close(self, key: tuple[str, int, str]) -> list[logging.LogRecord]:
+        window = self._windows.pop(key)
+        num_suppressed = window.num_seen - self.limit.num_per_window
+        if num_suppressed <= 0:
+            return []
+        source = window.record
+        message = key[2].splitlines()[0] if key[2] else ""
+        if len(message) > _SUMMARY_MESSAGE_LEN:
+            message = message[:_SUMMARY_MESSAGE_LEN] + "..."
+        summary = logging.LogRecord(
+            source.name, source.levelno, source.pathname, source.lineno,
+            "suppressed %d repeats of: %s (in %gs)", (num_suppressed, message, self.limit.window_s), None,
+        )
+        setattr(summary, _IS_SUMMARY, True)
+        return [summary]
+
+
+def install_rate_limit(limit: RateLimit | None = None, logger: logging.Logger | None = None) -> list[RateLimitFilter]:
+    """Rate-limit identical records on every handler of `logger` (the root logger by default).
+
+    Idempotent: a handler that already has a `RateLimitFilter` keeps it. Install it after the
+    handlers exist (after `logging.basicConfig`); records of loggers with handlers of their own
+    that do not propagate to this logger are not covered.
+    """
+    limit = limit or RateLimit()
+    target = logger or logging.getLogger()
+    filters: list[RateLimitFilter] = []
+    for handler in target.handlers:
+        existing = [f for f in handler.filters if isinstance(f, RateLimitFilter)]
+        if existing:
+            filters += existing
+            continue
+        rate_filter = RateLimitFilter(handler, limit)
+        handler.addFilter(rate_filter)
+        filters.append(rate_filter)
+    return filters
+
+
+def flush_rate_limits(logger: logging.Logger | None = None, is_final: bool = False) -> None:
+    """Write the summaries of every `RateLimitFilter` on `logger`'s handlers whose window has
+    ended; with `is_final` (at exit) of all windows, so no count is lost."""
+    for handler in (logger or logging.getLogger()).handlers:
+        for rate_filter in handler.filters:
+            if isinstance(rate_filter, RateLimitFilter):
+                rate_filter.flush(is_final)
