@@ -59,8 +59,11 @@ def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any
     try:
         cfg = load_pipeline(path)
         plan_budget(cfg)
+        # NOTE: factories are left to the stage processes: importing them here would load torch and
+        # model code into the server process.
+        check_environment(cfg, is_import_allowed=False)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
         return 2
     from voice_server.server.http import HttpLimits, raise_nofile_limit
     from voice_server.server.runner import ServeOptions, configure_logging, run_server

@@ -1,4 +1,4 @@
-"""The log rate limiter (`voice_server.server.logs`)."""
+"""The log rate limiter (`voice_server.logs`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from voice_server.server import logs
-from voice_server.server.logs import RateLimit, flush_rate_limits, install_rate_limit
+from voice_server import logs
+from voice_server.logs import RateLimit, flush_rate_limits, install_rate_limit
 
 
 class ListHandler(logging.Handler):

@@ -45,6 +45,7 @@ from voice_server.engine.messages import (
     acks_for,
 )
 from voice_server.engine.runtime import StageContext, StageRuntime, create_compute, create_scheduler
+from voice_server.logs import flush_rate_limits, install_rate_limit
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab
 from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
 
@@ -81,6 +82,7 @@ def run_stage_process(spec: ProcessSpec) -> None:
     # NOTE: operators find stage processes by name (`ps`), since /health publishes no PIDs.
     setproctitle.setproctitle(f"voice-server[{spec.process}]")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
+    install_rate_limit()  # NOTE: a flood of bad messages must not flood the log
     # NOTE: until the stage reports ready, SIGTERM ends the process at once (SystemExit unwinds a
     # factory that is still loading, and `close` still runs); afterwards it stops the loop cleanly.
     signal.signal(signal.SIGTERM, _exit_now)
@@ -89,6 +91,7 @@ def run_stage_process(spec: ProcessSpec) -> None:
         shell.run()
     finally:
         shell.close()
+        flush_rate_limits(is_final=True)
 
 
 class StageShell:
@@ -169,7 +172,8 @@ class StageShell:
         waits = [w for s in self.stages.values() if (w := s.scheduler.next_wakeup(now)) is not None]
         # NOTE: round up, or a sub-millisecond batching wait would spin on zero-timeout polls.
         timeout_ms = math.ceil(min(waits) * 1000) if waits else _IDLE_POLL_MS
-        self.poller.poll(timeout_ms)
+        if not self.poller.poll(timeout_ms):
+            flush_rate_limits()  # NOTE: idle: write the summaries of suppressed repeats
         self._drain(self.sub)  # aborts before work
         self._drain(self.inbox)
         if os.getppid() != self._parent_pid:

@@ -29,9 +29,9 @@ import uvicorn
 from voice_server.config import PipelineConfig
 from voice_server.config.errors import one_line
 from voice_server.engine.coordinator import Coordinator, StartupError
+from voice_server.logs import flush_rate_limits, install_rate_limit
 from voice_server.server.app import create_app
 from voice_server.server.http import HttpLimits, bind_socket, protocol_class
-from voice_server.server.logs import flush_rate_limits, install_rate_limit
 
 log = logging.getLogger("voice_server.server")
 EXIT_STOPPED = 0

@@ -43,7 +43,10 @@ class RateLimit:
 @dataclass
 class _Window:
     start: float
-    record: logging.LogRecord
+    # NOTE: where the record came from, not the record: its args may hold an exception whose
+    # traceback holds frames, arrays and (through them) shared-memory mappings.
+    pathname: str
+    lineno: int
     num_seen: int = 0
 
 
@@ -72,7 +75,7 @@ class RateLimitFilter(logging.Filter):
             if window is None:
                 if len(self._windows) >= self.limit.max_keys:
                     summaries += self._close(next(iter(self._windows)))
-                window = self._windows[key] = _Window(now, record)
+                window = self._windows[key] = _Window(now, record.pathname, record.lineno)
             window.num_seen += 1
             is_passed = window.num_seen <= self.limit.num_per_window
         # NOTE: outside the lock: the handler runs this filter again for each summary.
@@ -102,12 +105,12 @@ class RateLimitFilter(logging.Filter):
         num_suppressed = window.num_seen - self.limit.num_per_window
         if num_suppressed <= 0:
             return []
-        source = window.record
-        message = key[2].splitlines()[0] if key[2] else ""
+        name, levelno, text = key
+        message = text.splitlines()[0] if text else ""
         if len(message) > _SUMMARY_MESSAGE_LEN:
             message = message[:_SUMMARY_MESSAGE_LEN] + "..."
         summary = logging.LogRecord(
-            source.name, source.levelno, source.pathname, source.lineno,
+            name, levelno, window.pathname, window.lineno,
             "suppressed %d repeats of: %s (in %gs)", (num_suppressed, message, self.limit.window_s), None,
         )
         setattr(summary, _IS_SUMMARY, True)
