@@ -9,12 +9,15 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pytest
+
 from voice_server.config import PipelineConfig
-from voice_server.engine.coordinator import Coordinator
+from voice_server.engine.coordinator import Coordinator, StartupError
 
 T = TypeVar("T")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -62,27 +65,62 @@ def shm_segments(launch_id: str) -> list[str]:
 
 
 
+def _stat(pid: int | str) -> tuple[str, int] | None:
+    """(state, parent pid) of a process from /proc, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
+def is_alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"  # NOTE: a zombie still answers kill(pid, 0)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live processes whose parent is `pid`."""
+    return [int(e) for e in os.listdir("/proc") if e.isdigit() and (st := _stat(e)) and st[1] == pid and st[0] != "Z"]
+
+
+def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
+    """Wait until the processes have exited; returns those still alive after `timeout`."""
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if is_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if is_alive(p)]
+    return alive
+
+
 def stage_processes(parent_pid: int) -> dict[str, int]:
     """Live stage processes of a server, by the name they show in `ps` (`voice-server[name]`)."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for pid in children_of(parent_pid):
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read().split(b"\0")[0].decode(errors="replace")
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                title = f.read().split(b"\0")[0].decode(errors="replace")
         except OSError:
             continue
-        state, ppid = fields[0], int(fields[1])
-        if ppid == parent_pid and state != "Z" and cmdline.startswith("voice-server[") and cmdline.endswith("]"):
-            found[cmdline[len("voice-server["):-1]] = int(entry)
+        if title.startswith("voice-server[") and title.endswith("]"):
+            found[title[len("voice-server["):-1]] = pid
     return found
 
 
-def all_shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("vs-")}
+def assert_start_fails(cfg: PipelineConfig, match: str) -> None:
+    """Starting `cfg` raises StartupError matching `match` and leaves no process or segment behind."""
+    lt = LoopThread()
+    coordinator = Coordinator(cfg)
+    try:
+        with pytest.raises(StartupError, match=match):
+            lt.run(coordinator.start())
+    finally:
+        lt.close()
+    for handle in coordinator.launcher.handles.values():
+        assert handle.process is not None and not handle.process.is_alive()
+    assert shm_segments(coordinator.launch_id) == []
 
 
 def launch_of(stage_pid: int) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import LoopThread, shm_segments
+from harness import assert_start_fails
 
 from voice_server.config import (
     MAX_DEPTH,
@@ -27,7 +27,6 @@ from voice_server.config.checks import SHM_DIR, check_shm
 from voice_server.config.pipeline import PIPELINE_RULES, SCHEDULERS, STAGE_RULES
 from voice_server.config.topology import RESERVED_PROCESS_NAMES
 from voice_server.engine import ipc
-from voice_server.engine.coordinator import Coordinator, StartupError
 from voice_server.engine.runtime import StageContext, create_compute, create_scheduler
 from voice_server.relay.shm import SHM_DIR as RELAY_SHM_DIR
 from voice_server.scheduling import SCHEDULER_BUILDERS
@@ -274,16 +273,7 @@ def test_factory_returning_none_fails_start_up_naming_the_stage(bad_factories: s
             {"name": "bad", "factory": f"{bad_factories}:create_none", "terminal": True},
         ],
     }
-    lt = LoopThread()
-    coordinator = Coordinator(pipeline_from_dict(raw))
-    try:
-        with pytest.raises(StartupError, match="stage process 'bad'.*field 'factory'.*returned None"):
-            lt.run(coordinator.start())
-    finally:
-        lt.close()
-    for handle in coordinator.launcher.handles.values():
-        assert handle.process is not None and not handle.process.is_alive()
-    assert shm_segments(coordinator.launch_id) == []
+    assert_start_fails(pipeline_from_dict(raw), "stage process 'bad'.*field 'factory'.*returned None")
 
 
 def test_names_the_user_got_wrong_cannot_break_the_message_into_lines() -> None:

@@ -11,10 +11,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import CONFIGS, LoopThread, Pipeline, shm_segments
+from harness import CONFIGS, Pipeline, assert_start_fails, shm_segments
 
 from voice_server.config import BudgetError, load_pipeline, pipeline_from_dict
-from voice_server.engine.coordinator import Coordinator, RequestError, StartupError
+from voice_server.engine.coordinator import Coordinator, RequestError
 
 
 def test_budget_refused_before_any_process_starts() -> None:
@@ -41,16 +41,7 @@ def test_startup_failure_names_the_stage_and_leaves_nothing_behind() -> None:
             {"name": "bad", "factory": "voice_server.stages.no_such_module:create", "terminal": True},
         ],
     }
-    lt = LoopThread()
-    coordinator = Coordinator(pipeline_from_dict(raw))
-    try:
-        with pytest.raises(StartupError, match="stage process 'bad'.*no_such_module"):
-            lt.run(coordinator.start())
-    finally:
-        lt.close()
-    for handle in coordinator.launcher.handles.values():
-        assert handle.process is not None and not handle.process.is_alive()
-    assert shm_segments(coordinator.launch_id) == []
+    assert_start_fails(pipeline_from_dict(raw), "stage process 'bad'.*no_such_module")
 
 
 def test_killed_stage_fails_its_requests_restarts_and_leaks_no_shm() -> None:

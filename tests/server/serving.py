@@ -15,6 +15,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from harness import children_of, wait_gone
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 NUMERIC_CONFIG = ROOT / "configs/test_numeric.yaml"
@@ -35,39 +37,6 @@ def health_status(port: int, timeout: float = 2.0) -> int | None:
         return int(exc.code)
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
         return None
-
-
-def children_of(pid: int) -> list[int]:
-    """Live processes whose parent is `pid` (read from /proc)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if is_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        alive = [p for p in alive if is_alive(p)]
-    return alive
 
 
 class ServerProcess:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,17 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import launch_of, shm_segments, stage_processes
+from harness import is_alive, launch_of, shm_segments, stage_processes
+from serving import free_port
 
 from voice_server.engine.rundir import base_dir
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_health(port: int) -> tuple[int, dict[str, Any]]:
@@ -48,16 +42,6 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], pred: Any, timeout: fl
             pass
         time.sleep(0.05)
     raise AssertionError("health condition not reached")
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); read its state.
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().split()[2] != "Z"
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serving import ServerProcess, children_of, wait_gone  # noqa: E402
+from harness import children_of, wait_gone
+from serving import ServerProcess  # noqa: E402
 
 ServeProcess = Callable[..., ServerProcess]
 _RECORD_START = re.compile(r"^(\d{4}-\d\d-\d\d |start-up error: |config error: )")
