@@ -10,7 +10,6 @@ requests in flight, sweeps its shared memory and tells the other processes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import secrets
@@ -48,8 +47,8 @@ from voice_server.engine.requests import (
     DeadlineExceeded,
     OverloadError,
     RequestError,
-    RequestState,
     RequestStream,
+    RequestTable,
     TerminalOutput,
     UnavailableError,
 )
@@ -69,7 +68,6 @@ class Coordinator:
         self.launch_id = launch_id or secrets.token_hex(4)
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
         self.num_dropped_messages = 0
-        self._requests: dict[str, RequestState] = {}
         self._stats: dict[int, dict[str, StatsReply]] = {}
         self._nonces = itertools.count()
         self._is_started = False
@@ -81,6 +79,7 @@ class Coordinator:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._requests = RequestTable(self._loop, self.cfg.terminal_stages, lambda ids: self._broadcast(Abort(ids)))
         self._is_started = True
         try:
             self._open()
@@ -130,8 +129,8 @@ class Coordinator:
         if self._is_stopping or not self._is_started:
             return
         self._is_stopping = True
-        for request_id in list(self._requests):
-            self._finish(request_id, UnavailableError("the server is shutting down"))
+        self._requests.fail_all(UnavailableError("the server is shutting down"))
+        self._requests.is_closed = True
         for task in list(self._tasks):
             task.cancel()
         while self._cleanups:
@@ -194,13 +193,9 @@ class Coordinator:
             raise OverloadError(f"server busy: {exc}") from exc
         except (TypeError, ValueError, OverflowError) as exc:
             raise RequestError(f"request payload cannot be sent: {exc}") from exc
-        queue: asyncio.Queue[TerminalOutput | RequestError | None] = asyncio.Queue()
-        state = self._requests[request_id] = RequestState(queue, set(self.cfg.terminal_stages))
-        timeout_s = timeout_s if timeout_s is not None else self.limits.request_timeout_s
-        if timeout_s is not None:
-            state.deadline = self._loop.call_later(timeout_s, self._expire, request_id, timeout_s)
+        stream = self._requests.open(request_id, timeout_s if timeout_s is not None else self.limits.request_timeout_s)
         sock.send(data)
-        return RequestStream(request_id, queue, self.abort_nowait, self._abandon)
+        return stream
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:
@@ -211,29 +206,7 @@ class Coordinator:
 
     async def abort(self, request_id: str) -> bool:
         """Stop a request everywhere (barge-in, disconnect); its stream ends without error."""
-        return self.abort_nowait(request_id)
-
-    def abort_nowait(self, request_id: str) -> bool:
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        while not request.queue.empty():  # NOTE: after a barge-in nothing more may reach the client
-            request.queue.get_nowait()
-        self._finish(request_id, None)
-        self._broadcast(Abort([request_id]))
-        return True
-
-    def _abandon(self, request_id: str) -> None:
-        """The request's stream was garbage collected unfinished (may run on any thread)."""
-        if self._is_stopping or self._loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # NOTE: the loop closed meanwhile: nothing left to abort
-            self._loop.call_soon_threadsafe(self.abort_nowait, request_id)
-
-    def _expire(self, request_id: str, timeout_s: float) -> None:
-        if request_id in self._requests:
-            self._finish(request_id, DeadlineExceeded(f"request exceeded its deadline of {timeout_s:g} s"))
-            self._broadcast(Abort([request_id]))
+        return self._requests.abort(request_id)
 
     @property
     def num_inflight(self) -> int:
@@ -249,18 +222,6 @@ class Coordinator:
         while set(replies) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
         return self._stats.pop(nonce)
-
-    def _finish(self, request_id: str, outcome: RequestError | None) -> None:
-        request = self._requests.pop(request_id, None)
-        if request is not None:
-            if request.deadline is not None:
-                request.deadline.cancel()
-            request.queue.put_nowait(outcome)
-
-    def _fail(self, request_id: str, error: RequestError) -> None:
-        if request_id in self._requests:
-            self._finish(request_id, error)
-            self._broadcast(Abort([request_id]))  # other stages drop what they hold
 
     # -- sockets ---------------------------------------------------------------------------------
 
@@ -292,7 +253,7 @@ class Coordinator:
                 self._ack(exc.refs)
                 if exc.request_id is not None:
                     error_cls = OverloadError if exc.is_overload else RequestError
-                    self._fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
+                    self._requests.fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
                 continue
             try:
                 self._dispatch(msg, refs)
@@ -309,22 +270,13 @@ class Coordinator:
             # their slots returned at once.
             payload = _detach(msg.payload) if refs else msg.payload
             self._ack(refs)
-            request = self._requests.get(msg.request_id)
-            if request is None:
-                return  # aborted or failed already
-            if msg.stage not in request.pending_terminals:
+            if not self._requests.deliver(TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final)):
                 self._drop(f"dropped an Output of {msg.stage!r}, which is not a pending terminal stage")
-                return
-            request.queue.put_nowait(TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final))
-            if msg.is_final:
-                request.pending_terminals.discard(msg.stage)
-                if not request.pending_terminals:
-                    self._finish(msg.request_id, None)
             return
         self._ack(refs)
         if isinstance(msg, Failure):
             error_cls = OverloadError if msg.is_overload else RequestError
-            self._fail(msg.request_id, error_cls(f"stage '{msg.stage}': {msg.message}"))
+            self._requests.fail(msg.request_id, error_cls(f"stage '{msg.stage}': {msg.message}"))
         elif isinstance(msg, Ack):
             if msg.owner == self.owner:
                 self.slab.ack(msg.slot_ids)
@@ -345,11 +297,7 @@ class Coordinator:
         stages = ", ".join(s.name for s in self.cfg.processes[name])
         sweep(self.launch_id, owner)
         # NOTE: every stage is reachable from the entry, so every request in flight may touch it.
-        failed = list(self._requests)
-        for request_id in failed:
-            self._finish(request_id, RequestError(f"stage process '{name}' ({stages}) died: {reason}"))
-        if failed:
-            self._broadcast(Abort(failed))
+        self._requests.fail_all(RequestError(f"stage process '{name}' ({stages}) died: {reason}"))
         self._broadcast(PeerDown(name, owner))
         self.reader.forget_owner(owner)
         self.slab.release_consumer(name)
