@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from voice_server.config import PipelineConfig, StageBudget
 from voice_server.engine.ipc import Endpoints
 from voice_server.engine.limits import EngineLimits
-from voice_server.engine.stage import ProcessSpec, run_stage_process
+from voice_server.engine.process import ProcessSpec, run_stage_process
 
 _SPAWN = multiprocessing.get_context("spawn")
 
