@@ -6,11 +6,13 @@ import asyncio
 import time
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
+import zmq
 from harness import Pipeline
 
-from voice_server.engine.coordinator import RequestError
+from voice_server.engine.coordinator import OverloadError, RequestError
 
 FRAME_LEN = 4096  # configs/test_numeric.yaml; 16 KiB float32 frames travel through the relay
 _ID = "abort-latency"
@@ -182,3 +184,46 @@ def test_unencodable_payload_is_refused_without_leaking(numeric: Pipeline) -> No
     assert "cannot be sent" in numeric.run(scenario())
     assert coordinator.num_inflight == 0
     assert coordinator.slab.num_live_slots == 0  # the big signal's slot was taken, then given back
+
+
+def inject(numeric: Pipeline, process: str, message: list[Any]) -> None:
+    """Send a hand-made control message to a stage's inbox, as a process of this launch could."""
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(numeric.coordinator.endpoints.inboxes[process])
+        sock.send(msgpack.packb(message))
+        sock.close()
+    finally:
+        ctx.term()
+
+
+@pytest.mark.parametrize(
+    ("payload", "needle"),
+    [
+        ({}, "upstream stream incomplete: expected chunk"),  # a chunk far ahead: the ones between are lost
+        # A chunk whose relayed tensor cannot be mapped (its segment is gone) must not just vanish.
+        ({"frame": msgpack.ExtType(2, msgpack.packb(
+            ["framer.0", "vs-nolaunch-framer.0-9", 0, 64, 0, "float32", [16], True]))},
+         "cannot read relayed tensor"),
+    ],
+)
+def test_a_hole_in_an_upstream_stream_fails_the_request(numeric: Pipeline, payload: dict[str, Any],
+                                                         needle: str) -> None:
+    coordinator = numeric.coordinator
+
+    async def scenario() -> str:
+        stream = coordinator.submit({"signal": np.ones(FRAME_LEN * 100, np.float32)}, {"chunk_delay_ms": 10})
+        await stream.__anext__()
+        inject(numeric, "transform", [1, stream.request_id, "transform", 50, payload])  # 1: StreamChunk
+        try:
+            async for _ in stream:
+                pass
+        except RequestError as exc:
+            assert not isinstance(exc, OverloadError)
+            return str(exc)
+        return ""
+
+    assert needle in numeric.run(scenario())
+    assert coordinator.num_inflight == 0

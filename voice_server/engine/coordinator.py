@@ -54,7 +54,7 @@ from voice_server.engine.requests import (
 )
 from voice_server.engine.rundir import RunDir, sweep_dead_launches
 from voice_server.engine.supervisor import StartupError, Supervisor
-from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, sweep
+from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion, sweep
 
 __all__ = ["Coordinator", "DeadlineExceeded", "OverloadError", "RequestError", "StartupError", "UnavailableError"]
 
@@ -189,9 +189,10 @@ class Coordinator:
             raise OverloadError(f"server busy: {exc}") from exc
         try:
             data = self.codec.encode(NewRequest(request_id, entry, payload, params), consumer=process)
-        except (RelayFullError, OSError) as exc:  # NOTE: pack frees its relay slots itself
-            raise OverloadError(f"server busy: {exc}") from exc
-        except (TypeError, ValueError, OverflowError) as exc:
+        except (RelayFullError, OSError, TypeError, ValueError, OverflowError) as exc:
+            # NOTE: pack frees its relay slots itself
+            if is_exhaustion(exc):
+                raise OverloadError(f"server busy: {exc}") from exc
             raise RequestError(f"request payload cannot be sent: {exc}") from exc
         stream = self._requests.open(request_id, timeout_s if timeout_s is not None else self.limits.request_timeout_s)
         sock.send(data)

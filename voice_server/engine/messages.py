@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from voice_server.relay.codec import RelayReadError, pack, unpack
-from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
+from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, is_exhaustion
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class Codec:
             refs = [r for r in exc.refs if isinstance(r, ShmRef)]
             request_id, stage = _work_identity(exc.obj)
             raise MessageError(
-                f"cannot read relayed tensor: {exc.cause}", refs, request_id, stage, isinstance(exc.cause, OSError)
+                f"cannot read relayed tensor: {exc.cause}", refs, request_id, stage, is_exhaustion(exc.cause)
             ) from exc
         except Exception as exc:  # malformed msgpack
             raise MessageError(f"undecodable control message: {exc}") from exc

@@ -42,7 +42,7 @@ from voice_server.engine.messages import (
 )
 from voice_server.engine.runtime import StageContext, StageRuntime, create_compute, create_scheduler
 from voice_server.logs import flush_rate_limits
-from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab
+from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion
 from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
 
 if TYPE_CHECKING:
@@ -163,8 +163,7 @@ class StageShell:
                 # NOTE: an output msgpack cannot carry, or no relay room left (bytes, segments,
                 # descriptors), fails that request only; the latter as a retryable overload.
                 log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, exc)
-                is_overload = isinstance(exc, (RelayFullError, OSError))
-                self._fail_request(runtime, emit.request_id, f"output cannot be sent: {exc}", is_overload)
+                self._fail_request(runtime, emit.request_id, f"output cannot be sent: {exc}", is_exhaustion(exc))
                 failed.add(emit.request_id)
 
     def _drain(self, sock: zmq.Socket) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import errno
 import itertools
 import math
 import mmap
@@ -121,6 +122,14 @@ def _unlink_paths(paths: set[str], pid: int) -> None:
 
 class RelayFullError(RuntimeError):
     """A put would exceed the slab's bound on live bytes or overflow segments (retry later)."""
+
+
+_EXHAUSTION_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOSPC})
+
+
+def is_exhaustion(exc: BaseException) -> bool:
+    """A relay error that says a resource ran out (bounds, descriptors, memory, /dev/shm): retryable."""
+    return isinstance(exc, RelayFullError) or (isinstance(exc, OSError) and exc.errno in _EXHAUSTION_ERRNOS)
 
 
 @dataclass(frozen=True)
