@@ -10,15 +10,17 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from harness import Pipeline
+from harness import LoopThread, Pipeline
 
 from voice_server.config import pipeline_from_dict
+from voice_server.engine.coordinator import Coordinator
 
 STAGES = [
     {"name": "framer", "factory": "voice_server.stages.numeric:create_framer", "stream_to": ["sink"],
@@ -160,3 +162,20 @@ def test_tcp_control_plane_admits_only_the_launch_keys() -> None:
         assert works(pipeline)
     finally:
         pipeline.close()
+
+
+def test_a_run_directory_others_can_enter_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    run_base = tmp_path / "run"
+    run_base.mkdir()
+    run_base.chmod(0o755)
+    monkeypatch.setenv("VOICE_SERVER_RUN_DIR", str(run_base))
+    lt = LoopThread()
+    coordinator = Coordinator(pipeline_from_dict({"name": "cp", "stages": STAGES}))
+    try:
+        with pytest.raises(PermissionError, match=f"run directory {run_base} must be .* mode 0700"):
+            lt.run(coordinator.start())
+    finally:
+        lt.close()
+    assert "cleanup step failed" not in caplog.text
+    assert os.listdir(run_base) == []

@@ -73,7 +73,8 @@ class Coordinator:
         self._is_started = False
         self._is_stopping = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._cleanups: list[Callable[[], object]] = []
+        self._cleanups: list[tuple[Callable[[], object], bool]] = []
+        """What stop() undoes, in reverse order; True marks a blocking step (run off the loop)."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -93,21 +94,21 @@ class Coordinator:
     def _open(self) -> None:
         """Create what a launch holds; each piece registers its own cleanup as it comes into being."""
         sweep_dead_launches()  # NOTE: what a SIGKILLed server left behind
-        self._cleanups.append(lambda: sweep(self.launch_id))
+        self._cleanups.append((lambda: sweep(self.launch_id), False))
         self.limits = EngineLimits.resolve(self.cfg)
         self.run_dir = RunDir(self.launch_id)
-        self._cleanups.append(self.run_dir.close)
+        self._cleanups.append((self.run_dir.close, False))
         self.endpoints = ipc.Endpoints.create(self.cfg, self.run_dir)
         self.launcher = Launcher(self.cfg, self.launch_id, self.budgets, self.endpoints, self.limits)
         self._ctx = zmq.Context()
-        self._cleanups.append(lambda: self._ctx.destroy(linger=0))
+        self._cleanups.append((lambda: self._ctx.destroy(linger=0), False))
         auth = self.endpoints.start_auth(self._ctx)
         if auth is not None:
-            self._cleanups.append(auth.stop)
+            self._cleanups.append((auth.stop, False))
         # NOTE: one underlying context for both, so the ZAP handler covers the asyncio inbox too.
         self._actx = zmq.asyncio.Context.shadow(self._ctx.underlying)
         self._inbox = ipc.configure(self._actx.socket(zmq.PULL))
-        self._cleanups.append(lambda: self._inbox.close(linger=0))
+        self._cleanups.append((lambda: self._inbox.close(linger=0), False))
         self.endpoints.bind(self._inbox, self.endpoints.inboxes[ipc.COORDINATOR])
         self._pub = ipc.configure(self._ctx.socket(zmq.PUB))
         self.endpoints.bind(self._pub, self.endpoints.broadcast)
@@ -116,14 +117,14 @@ class Coordinator:
             self.launch_id, self.owner, self.cfg.relay_slab_bytes,
             max_bytes=self.limits.max_relay_bytes, max_overflow_segments=self.limits.max_relay_segments,
         )
-        self._cleanups.append(self.slab.close)
+        self._cleanups.append((self.slab.close, False))
         self.reader = ShmReader()
-        self._cleanups.append(self.reader.close)
+        self._cleanups.append((self.reader.close, False))
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
         self.supervisor = Supervisor(self.cfg, self.launcher, self._on_down, lambda: self._broadcast(Probe(0)))
-        self._cleanups.append(self.supervisor.stop)
+        self._cleanups.append((self.supervisor.stop, False))
         # NOTE: runs first on stop (cleanups run in reverse): no process may outlive the launch.
-        self._cleanups.append(self.launcher.terminate_all)
+        self._cleanups.append((self.launcher.terminate_all, True))  # NOTE: joins processes
 
     async def stop(self) -> None:
         if self._is_stopping or not self._is_started:
@@ -134,10 +135,10 @@ class Coordinator:
         for task in list(self._tasks):
             task.cancel()
         while self._cleanups:
-            cleanup = self._cleanups.pop()
+            cleanup, is_blocking = self._cleanups.pop()
             try:
-                if cleanup == self.launcher.terminate_all:
-                    await self._loop.run_in_executor(None, cleanup)  # NOTE: joins processes; keep the loop free
+                if is_blocking:
+                    await self._loop.run_in_executor(None, cleanup)
                 else:
                     cleanup()
             except Exception:
