@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from voice_server.engine.runtime import StageContext
-from voice_server.scheduling import Emit, EmitKind, WorkItem
+from voice_server.scheduling import Emit, EmitKind, Runner, SimpleBatch, SimpleResult
 from voice_server.stages.numeric import Echo
 
 
@@ -18,22 +18,19 @@ def create_flaky_echo(ctx: StageContext) -> Echo:
     return Echo()
 
 
-class Amplifier:
+class Amplifier(Runner[SimpleBatch, SimpleResult]):
     """Emits `payload["num_chunks"]` float32 frames of `payload["chunk_bytes"]` bytes per request, shaped
     like the numeric framer's, so a numeric sink can follow it (relay load)."""
 
-    def execute(self, batch: list[WorkItem]) -> list[Emit]:
+    def execute(self, batch: SimpleBatch) -> SimpleResult:
         emits = []
-        for item in batch:
+        for item in batch.items:
             num, size = int(item.payload["num_chunks"]), int(item.payload["chunk_bytes"])
             for i in range(num):
                 frame = np.full(size // 4, i, np.float32)
                 emits.append(Emit(item.request_id, EmitKind.STREAM, {"frame": frame, "index": i}))
             emits.append(Emit(item.request_id, EmitKind.RESULT, {"num_chunks": num}))
-        return emits
-
-    def release(self, request_id: str) -> None:
-        pass
+        return SimpleResult(tuple(emits))
 
 
 def create_amplifier(ctx: StageContext) -> Amplifier:

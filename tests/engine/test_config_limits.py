@@ -1,5 +1,5 @@
 """Config limits and checks below the CLI: field rules cover every field, the YAML loader's limits,
-the routing graph at its size limit, environment checks, and a factory that returns no compute."""
+the routing graph at its size limit, environment checks, and a factory that returns no runner."""
 
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from voice_server.config.checks import SHM_DIR, check_shm
 from voice_server.config.pipeline import PIPELINE_RULES, SCHEDULERS, STAGE_RULES
 from voice_server.config.topology import RESERVED_PROCESS_NAMES
 from voice_server.engine import ipc
-from voice_server.engine.runtime import StageContext, create_compute, create_scheduler
+from voice_server.engine.runtime import StageContext, create_runner, create_scheduler
 from voice_server.relay.shm import SHM_DIR as RELAY_SHM_DIR
 from voice_server.scheduling import SCHEDULER_BUILDERS
+from voice_server.stages.numeric import Echo
 
 ECHO = "voice_server.stages.numeric:create_echo"
 STRUCTURAL_STAGE_FIELDS = {"next", "stream_to", "factory_args"}
@@ -204,12 +205,12 @@ def test_scheduler_registry_is_the_single_source() -> None:
         cfg = pipeline_from_dict(raw)
         if name in SCHEDULER_BUILDERS:
             check_environment(cfg)
-            assert create_scheduler(cfg.stages[0]) is not None
+            assert create_scheduler(cfg.stages[0], Echo()) is not None
         else:
             with pytest.raises(ConfigError, match=f"stage 'solo': field 'scheduler': '{name}' is not implemented"):
                 check_environment(cfg)
             with pytest.raises(NotImplementedError, match="stage 'solo': field 'scheduler'"):
-                create_scheduler(cfg.stages[0])
+                create_scheduler(cfg.stages[0], Echo())
 
 
 def test_shm_check_counts_one_slab_per_process_plus_the_coordinator() -> None:
@@ -224,7 +225,7 @@ def test_shm_check_counts_one_slab_per_process_plus_the_coordinator() -> None:
         check_shm(cfg, shm_dir="/no/such/dir")
 
 
-# -- a factory that returns no compute ------------------------------------------------------------
+# -- a factory that returns no runner -------------------------------------------------------------
 
 BAD_FACTORIES = """\
 class OnlyExecute:
@@ -249,17 +250,17 @@ def bad_factories(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     return "vs_bad_factories"
 
 
-def test_create_compute_refuses_what_is_not_a_compute(bad_factories: str) -> None:
+def test_create_runner_refuses_what_is_not_a_runner(bad_factories: str) -> None:
     for factory, needle in [
-        ("create_none", "create_none returned None (NoneType), which has no callable execute or release"),
-        ("create_only_execute", "(OnlyExecute), which has no callable release"),
+        ("create_none", "create_none returned None (NoneType), which is not a voice_server.scheduling.Runner"),
+        ("create_only_execute", "(OnlyExecute), which is not a voice_server.scheduling.Runner"),
     ]:
         raw = solo()
         raw["stages"][0]["factory"] = f"{bad_factories}:{factory}"
         cfg = pipeline_from_dict(raw)
         check_environment(cfg)  # importable: only calling it can tell
         with pytest.raises(TypeError) as info:
-            create_compute(StageContext(cfg.stages[0], cfg, None, "test"))
+            create_runner(StageContext(cfg.stages[0], cfg, None, "test"))
         assert str(info.value).startswith(f"stage 'solo': field 'factory': {bad_factories}:{factory} returned ")
         assert str(info.value).endswith(needle)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from voice_server.scheduling import Emit, EmitKind, SimpleScheduler, WorkItem, WorkKind
+from voice_server.scheduling import Emit, EmitKind, SimpleResult, SimpleScheduler, WorkItem, WorkKind
 
 
 def new(rid: str) -> WorkItem:
@@ -18,9 +18,9 @@ def test_batches_up_to_max_size_in_arrival_order() -> None:
     for i in range(5):
         sched.add(new(f"r{i}"), now=0.0)
     first = sched.schedule(now=0.0)
-    assert first is not None and [w.request_id for w in first] == ["r0", "r1", "r2"]
+    assert first is not None and [w.request_id for w in first.items] == ["r0", "r1", "r2"]
     second = sched.schedule(now=0.0)
-    assert second is not None and [w.request_id for w in second] == ["r3", "r4"]
+    assert second is not None and [w.request_id for w in second.items] == ["r3", "r4"]
     assert sched.schedule(now=0.0) is None
     assert sched.next_wakeup(now=0.0) is None
 
@@ -32,7 +32,7 @@ def test_batch_window_waits_for_more_work_unless_full() -> None:
     assert abs((sched.next_wakeup(now=1.004) or 0) - 0.006) < 1e-9
     sched.add(new("b"), now=1.005)
     batch = sched.schedule(now=1.011)
-    assert batch is not None and len(batch) == 2
+    assert batch is not None and len(batch.items) == 2
     for rid in "cdef":
         sched.add(new(rid), now=2.0)
     assert sched.next_wakeup(now=2.0) == 0.0  # a full batch does not wait
@@ -46,7 +46,7 @@ def test_abort_drops_queued_items_and_late_chunks() -> None:
     assert sched.abort("a") and not sched.abort("zzz")
     sched.add(chunk("a", 1), now=0)  # late chunk of an aborted request
     batch = sched.schedule(now=0)
-    assert batch is not None and [w.request_id for w in batch] == ["b"]
+    assert batch is not None and [w.request_id for w in batch.items] == ["b"]
     assert sched.active_request_ids == {"b"}
 
 
@@ -57,9 +57,9 @@ def test_results_end_requests_and_emits_of_aborted_requests_are_dropped() -> Non
     batch = sched.schedule(now=0)
     assert batch is not None
     sched.abort("b")  # while the batch runs
-    emits = sched.update(batch, [
+    emits = sched.update(batch, SimpleResult((
         Emit("a", EmitKind.STREAM, {"i": 0}), Emit("a", EmitKind.RESULT), Emit("b", EmitKind.RESULT),
-    ])
+    )))
     assert [(e.request_id, e.kind) for e in emits] == [("a", EmitKind.STREAM), ("a", EmitKind.RESULT)]
     assert sched.active_request_ids == set()
 
@@ -71,16 +71,16 @@ def test_failed_batch_retries_each_request_alone_and_errors_only_the_culprit() -
     sched.add(new("b"), now=0)
     sched.add(new("c"), now=1)
     batch = sched.schedule(now=0)
-    assert batch is not None and len(batch) == 4
+    assert batch is not None and len(batch.items) == 4
     assert sched.fail(batch, "boom") == []  # nobody fails yet
     solo_a = sched.schedule(now=0)
     assert solo_a is not None
-    assert [(w.request_id, w.kind) for w in solo_a] == [("a", WorkKind.NEW), ("a", WorkKind.CHUNK)]
-    assert sched.update(solo_a, [Emit("a", EmitKind.RESULT)])[0].request_id == "a"
+    assert [(w.request_id, w.kind) for w in solo_a.items] == [("a", WorkKind.NEW), ("a", WorkKind.CHUNK)]
+    assert sched.update(solo_a, SimpleResult((Emit("a", EmitKind.RESULT),)))[0].request_id == "a"
     solo_b = sched.schedule(now=0)
-    assert solo_b is not None and [w.request_id for w in solo_b] == ["b"]
+    assert solo_b is not None and [w.request_id for w in solo_b.items] == ["b"]
     emits = sched.fail(solo_b, "boom")
     assert [(e.request_id, e.kind, e.message) for e in emits] == [("b", EmitKind.ERROR, "boom")]
     solo_c = sched.schedule(now=0)
-    assert solo_c is not None and [w.request_id for w in solo_c] == ["c"]
+    assert solo_c is not None and [w.request_id for w in solo_c.items] == ["c"]
     assert sched.active_request_ids == {"c"}

@@ -35,6 +35,8 @@ STAGE_RULES: dict[str, Rule] = {
     "memory_fraction": Number(float, minimum=0.0, maximum=1.0, is_min_exclusive=True),
     "max_batch_size": Number(int, minimum=1),
     "batch_window_ms": Number(float, minimum=0.0),
+    "max_step_tokens": Number(int, minimum=1),
+    "prefix_cache": Flag(),
 }
 """Scalar fields of a stage and their rules; `next`, `stream_to`, `factory_args` are checked by hand."""
 
@@ -43,7 +45,7 @@ class StageConfig:
     name: str
     """Unique stage name: lowercase letters, digits, '_' (it becomes part of socket names)."""
     factory: str
-    """Import path `package.module:callable` of the stage's compute factory."""
+    """Import path `package.module:callable` of the stage's runner factory."""
     scheduler: str = "simple"
     """One of `simple`, `ar`, `code2wav`."""
     next: str | None = None
@@ -64,6 +66,10 @@ class StageConfig:
     """Most work items one forward call may take."""
     batch_window_ms: float = 0.0
     """How long a partial batch may wait for more work before it runs."""
+    max_step_tokens: int = 512
+    """`ar` stages: most tokens one step computes (decode tokens plus prefill chunks)."""
+    prefix_cache: bool = True
+    """`ar` stages: reuse the KV pages of a prompt prefix another request already computed."""
     factory_args: dict[str, Any] = field(default_factory=dict)
     """Free-form keyword arguments for the factory."""
 

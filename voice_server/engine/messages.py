@@ -27,6 +27,8 @@ class NewRequest:
     stage: str
     payload: dict[str, Any] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
+    is_stream: bool = False
+    """The input follows as StreamChunks until StreamDone (sent to a `stream_to` stage)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,8 @@ class StatsReply:
     """Malformed or foreign control messages this process dropped."""
     aborted_at: dict[str, float]
     """Recently aborted request id -> CLOCK_MONOTONIC time this process dropped it."""
+    counters: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Stage name -> its scheduler's counters (KV pages, queues; `BaseScheduler.stats`)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One stage inside a stage process: its scheduler, its compute and the request bookkeeping the
+"""One stage inside a stage process: its scheduler, its runner and the request bookkeeping the
 shell needs to route outputs (open downstream streams, relay slots held per request)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.checks import resolve_factory
 from voice_server.config.errors import show
 from voice_server.relay.shm import ShmRef
-from voice_server.scheduling import SCHEDULER_BUILDERS, BaseScheduler, Compute
+from voice_server.scheduling import SCHEDULER_BUILDERS, AnyRunner, AnyScheduler, Runner
 
 
 @dataclass(frozen=True)
@@ -28,34 +28,33 @@ class StageContext:
         return self.stage.factory_args
 
 
-def create_scheduler(stage: StageConfig) -> BaseScheduler:
+def create_scheduler(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
     build = SCHEDULER_BUILDERS.get(stage.scheduler)
     if build is None:
-        # NOTE: validated names whose implementation lands with the AR scheduling issue.
+        # NOTE: validated names whose implementation has not landed yet.
         where = f"stage '{stage.name}': field 'scheduler'"
         raise NotImplementedError(f"{where}: '{stage.scheduler}' is not implemented yet")
-    return build(stage)
+    return build(stage, runner)
 
 
-def create_compute(ctx: StageContext) -> Compute:
+def create_runner(ctx: StageContext) -> AnyRunner:
     factory = resolve_factory(ctx.stage)
-    compute: Compute = factory(ctx)
+    runner = factory(ctx)
     # NOTE: checked here, at start-up, so a bad factory is a StartupFailed naming the stage instead
     # of a stage process that dies on its first request.
-    missing = [name for name in ("execute", "release") if not callable(getattr(compute, name, None))]
-    if missing:
+    if not isinstance(runner, Runner):
         raise TypeError(
-            f"stage '{ctx.stage.name}': field 'factory': {ctx.stage.factory} returned {show(compute)}, "
-            f"which has no callable {' or '.join(missing)}"
+            f"stage '{ctx.stage.name}': field 'factory': {ctx.stage.factory} returned {show(runner)}, "
+            "which is not a voice_server.scheduling.Runner"
         )
-    return compute
+    return runner
 
 
 @dataclass
 class StageRuntime:
     cfg: StageConfig
-    scheduler: BaseScheduler
-    compute: Compute
+    scheduler: AnyScheduler
+    runner: AnyRunner
     params: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Request id -> the client's params, forwarded to downstream stages."""
     num_chunks_sent: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -70,5 +69,5 @@ class StageRuntime:
         self.params.pop(request_id, None)
         self.num_chunks_sent.pop(request_id, None)
         self.num_chunks_received.pop(request_id, None)
-        self.compute.release(request_id)
+        self.runner.release(request_id)
         return self.held_refs.pop(request_id, [])

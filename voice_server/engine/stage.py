@@ -40,7 +40,7 @@ from voice_server.engine.messages import (
     StreamDone,
     acks_for,
 )
-from voice_server.engine.runtime import StageContext, StageRuntime, create_compute, create_scheduler
+from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
 from voice_server.logs import flush_rate_limits
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion
 from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
@@ -100,7 +100,8 @@ class StageShell:
         try:
             for stage in self.cfg.processes[self.spec.process]:
                 ctx = StageContext(stage, self.cfg, self.spec.budgets.get(stage.name), self.spec.launch_id)
-                self.stages[stage.name] = StageRuntime(stage, create_scheduler(stage), create_compute(ctx))
+                runner = create_runner(ctx)
+                self.stages[stage.name] = StageRuntime(stage, create_scheduler(stage, runner), runner)
         except Exception as exc:
             message = f"{type(exc).__name__}: {exc}"
             # NOTE: one line for the operator (the server repeats it); the traceback at debug level.
@@ -147,11 +148,15 @@ class StageShell:
 
     def _execute(self, runtime: StageRuntime, batch: Any) -> None:
         try:
-            result = runtime.compute.execute(batch)
+            result = runtime.runner.execute(batch)
         except Exception as exc:
             log.error("stage %s: batch failed:\n%s", runtime.cfg.name, traceback.format_exc())
+            self._drain(self.sub)
             emits = runtime.scheduler.fail(batch, f"{type(exc).__name__}: {exc}")
         else:
+            # NOTE: aborts that arrived while the batch ran leave the scheduler before `update`, so
+            # an aborted request's step output is dropped instead of routed (and its pages freed).
+            self._drain(self.sub)
             emits = runtime.scheduler.update(batch, result)
         failed: set[str] = set()
         for emit in emits:
@@ -220,10 +225,11 @@ class StageShell:
             self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
+            counters = {name: s.scheduler.stats() for name, s in self.stages.items()}
             recent = dict(itertools.islice(reversed(self._aborted.items()), _NUM_ABORTS_REPORTED))
             self._send(ipc.COORDINATOR, StatsReply(
                 self.spec.process, self.spec.generation, msg.nonce, active,
-                self.slab.num_live_slots, self.slab.num_used_bytes, self.num_dropped_messages, recent,
+                self.slab.num_live_slots, self.slab.num_used_bytes, self.num_dropped_messages, recent, counters,
             ))
 
     def _on_work(self, msg: NewRequest | StreamChunk | StreamDone, refs: list[ShmRef]) -> None:
@@ -245,7 +251,7 @@ class StageShell:
                 return
             runtime.params[rid] = msg.params
             runtime.num_chunks_received[rid] = 0
-            item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params)
+            item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params, is_stream=msg.is_stream)
         elif rid not in runtime.scheduler.active_request_ids:
             self._ack(refs)  # late chunk of a request that already left this stage
             return
@@ -266,7 +272,12 @@ class StageShell:
             else:
                 item = WorkItem(rid, WorkKind.DONE, {}, runtime.params.get(rid, {}), msg.num_chunks)
         runtime.held_refs.setdefault(rid, []).extend(refs)
-        runtime.scheduler.add(item, now)
+        try:
+            runtime.scheduler.add(runtime.runner.admit(item), now)
+        except ValueError as exc:
+            # NOTE: malformed input or params refuse this request alone, at admission.
+            log.warning("stage %s: refused %s: %s", runtime.cfg.name, rid, exc)
+            self._fail_request(runtime, rid, f"refused: {exc}", is_overload=False)
 
     def _abort(self, request_id: str) -> None:
         self._aborted[request_id] = time.monotonic()
@@ -295,7 +306,7 @@ class StageShell:
         sent = runtime.num_chunks_sent.setdefault(rid, {})
         for target in stage.stream_to:
             if target not in sent:  # open the downstream stream even if it will stay empty
-                self._send_stage(target, NewRequest(rid, target, {}, params))
+                self._send_stage(target, NewRequest(rid, target, {}, params, is_stream=True))
                 sent[target] = 0
             if emit.kind is EmitKind.STREAM:
                 self._send_stage(target, StreamChunk(rid, target, sent[target], emit.payload))

@@ -1,32 +1,51 @@
-"""Schedulers: plain Python (no torch, no sockets); see base.py for the contract with the shell."""
+"""Schedulers: plain Python (no torch, no sockets); see base.py for the contract with the shell
+and contract.py for what crosses the scheduler/runner boundary per scheduler type."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from voice_server.scheduling.base import BaseScheduler, Compute, Emit, EmitKind, WorkItem, WorkKind
+from voice_server.scheduling.base import (
+    AdmissionError,
+    BaseScheduler,
+    Emit,
+    EmitKind,
+    Runner,
+    WorkItem,
+    WorkKind,
+)
+from voice_server.scheduling.contract import SimpleBatch, SimpleResult
 from voice_server.scheduling.simple import SimpleScheduler
 
 if TYPE_CHECKING:
     from voice_server.config import StageConfig
 
+AnyScheduler = BaseScheduler[Any, Any]
+AnyRunner = Runner[Any, Any]
 
-def _build_simple(stage: StageConfig) -> BaseScheduler:
+
+def _build_simple(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
     return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0)
 
 
-SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig], BaseScheduler]] = {"simple": _build_simple}
+SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig, AnyRunner], AnyScheduler]] = {"simple": _build_simple}
 """Implemented scheduler types by config name: the single source of truth for `create_scheduler` (which
-builds from it) and `check-config` (which refuses the rest). A config may name a type that is valid but not
-yet here (`config.pipeline.SCHEDULERS`: `ar`, `code2wav`); it becomes usable when its builder is added."""
+builds from it, after the runner, since a scheduler may be sized by its runner: KV pages) and
+`check-config` (which refuses the rest). A config may name a type that is valid but not yet here
+(`config.pipeline.SCHEDULERS`); it becomes usable when its builder is added."""
 
 __all__ = [
     "SCHEDULER_BUILDERS",
+    "AdmissionError",
+    "AnyRunner",
+    "AnyScheduler",
     "BaseScheduler",
-    "Compute",
     "Emit",
     "EmitKind",
+    "Runner",
+    "SimpleBatch",
+    "SimpleResult",
     "SimpleScheduler",
     "WorkItem",
     "WorkKind",

@@ -1,12 +1,17 @@
-"""The contract between a stage's scheduler, its compute (runner) and the process shell.
+"""The contract between a stage's scheduler, its runner and the process shell.
 
 The shell loop is the same for every scheduler type:
 
-    batch = scheduler.schedule(now)          # plain description of what to run, or None
-    result = compute.execute(batch)          # the only place torch and devices live
+    item = runner.admit(item)                # validate/convert a request's input; raise to refuse it
+    scheduler.add(item, now)                 # queue it (raises ValueError to refuse it)
+    batch = scheduler.schedule(now)          # typed description of what to run, or None
+    result = runner.execute(batch)           # the only place torch and devices live
+    (the shell drains aborts here, so an aborted request's step output is dropped)
     emits = scheduler.update(batch, result)  # bookkeeping; what to send where
 
-Schedulers are plain Python: no torch, no sockets, testable with no model.
+Schedulers are plain Python: no torch, no sockets, testable with no model. Each scheduler type
+has its own typed batch and result (`contract.py`); `BaseScheduler[BatchT, ResultT]` and
+`Runner[BatchT, ResultT]` pair them.
 """
 
 from __future__ import annotations
@@ -14,7 +19,10 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, TypeVar
+
+BatchT = TypeVar("BatchT")
+ResultT = TypeVar("ResultT")
 
 
 class WorkKind(enum.Enum):
@@ -41,6 +49,9 @@ class WorkItem:
     payload: dict[str, Any] = field(default_factory=dict)
     params: dict[str, Any] = field(default_factory=dict)
     seq: int = 0
+    is_stream: bool = False
+    """NEW only: the input arrives as CHUNKs until DONE (an upstream `stream_to`), rather than
+    whole in `payload` (the client's input or an upstream `next` result)."""
 
 
 @dataclass(frozen=True)
@@ -55,35 +66,48 @@ class Emit:
         return self.kind is not EmitKind.STREAM
 
 
-class Compute(Protocol):
-    """What a stage factory returns: runs batches on a device."""
+class AdmissionError(ValueError):
+    """A request's input or params are malformed: it is refused, alone, with this message."""
 
-    def execute(self, batch: Any) -> Any: ...
 
-    def release(self, request_id: str) -> None:
+class Runner(ABC, Generic[BatchT, ResultT]):
+    """What a stage factory returns: the stage's torch side. Runs typed batches on a device."""
+
+    def admit(self, item: WorkItem) -> WorkItem:
+        """Check and convert one inbox item before the scheduler sees it (e.g. messages -> token
+        ids). Raise `AdmissionError` (or `ValueError`) to refuse the request alone."""
+        return item
+
+    @abstractmethod
+    def execute(self, batch: BatchT) -> ResultT:
+        """Run one batch. Raising fails the requests in this batch (see `BaseScheduler.fail`)."""
+
+    def release(self, request_id: str) -> None:  # noqa: B027 - optional hook, most runners keep no state
         """Forget per-request state (request finished, failed or aborted)."""
 
 
-class BaseScheduler(ABC):
+class BaseScheduler(ABC, Generic[BatchT, ResultT]):
     @abstractmethod
     def add(self, item: WorkItem, now: float) -> None:
-        """Queue one inbox item (new request, chunk or end of stream) received at `now`."""
+        """Queue one inbox item (new request, chunk or end of stream) received at `now`.
+        Raise `ValueError` to refuse the request (the shell fails it alone)."""
 
     @abstractmethod
     def abort(self, request_id: str) -> bool:
-        """Drop every queued item of the request; True if the stage held it."""
+        """Drop the request and everything it holds (queued items, pages); True if it was held."""
 
     @abstractmethod
-    def schedule(self, now: float) -> Any | None:
+    def schedule(self, now: float) -> BatchT | None:
         """The next batch to execute, or None when nothing should run yet."""
 
     @abstractmethod
-    def update(self, batch: Any, result: Any) -> list[Emit]:
-        """Account for an executed batch; return the outputs to route."""
+    def update(self, batch: BatchT, result: ResultT) -> list[Emit]:
+        """Account for an executed batch; return the outputs to route. Requests aborted while the
+        batch ran are gone from the scheduler: their part of the result is dropped."""
 
     @abstractmethod
-    def fail(self, batch: Any, message: str) -> list[Emit]:
-        """The batch raised: return one ERROR emit per request in it."""
+    def fail(self, batch: BatchT, message: str) -> list[Emit]:
+        """The batch raised: return ERROR emits for the requests that fail because of it."""
 
     @abstractmethod
     def next_wakeup(self, now: float) -> float | None:
@@ -93,3 +117,7 @@ class BaseScheduler(ABC):
     @abstractmethod
     def active_request_ids(self) -> set[str]:
         """Requests that entered this stage and have not left it."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the stage's stats reply (pages, queues); empty by default."""
+        return {}

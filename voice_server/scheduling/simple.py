@@ -1,8 +1,8 @@
 """SimpleScheduler: get -> forward -> put, with optional batching up to `max_batch_size`.
 
-For preprocessing, encoders and other stateless-per-step stages. The compute receives a list of
-`WorkItem`s (in arrival order, so one request's chunks stay ordered) and returns one list of
-`Emit`s for the whole batch.
+For preprocessing, encoders and other stateless-per-step stages. The runner receives a
+`SimpleBatch` of `WorkItem`s (in arrival order, so one request's chunks stay ordered) and returns
+one `SimpleResult` of `Emit`s for the whole batch.
 """
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections import deque
 
 from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
+from voice_server.scheduling.contract import SimpleBatch, SimpleResult
 
 
-class SimpleScheduler(BaseScheduler):
+class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
     def __init__(self, max_batch_size: int, batch_window_s: float = 0.0) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
@@ -46,18 +47,18 @@ class SimpleScheduler(BaseScheduler):
             return 0.0
         return max(0.0, self._queue[0][0] + self.batch_window_s - now)
 
-    def schedule(self, now: float) -> list[WorkItem] | None:
+    def schedule(self, now: float) -> SimpleBatch | None:
         if self._solo:
-            return self._solo.popleft()
+            return SimpleBatch(tuple(self._solo.popleft()))
         wait = self.next_wakeup(now)
         if wait is None or wait > 0:
             return None
         num = min(self.max_batch_size, len(self._queue))
-        return [self._queue.popleft()[1] for _ in range(num)]
+        return SimpleBatch(tuple(self._queue.popleft()[1] for _ in range(num)))
 
-    def update(self, batch: list[WorkItem], result: list[Emit]) -> list[Emit]:
+    def update(self, batch: SimpleBatch, result: SimpleResult) -> list[Emit]:
         emits = []
-        for emit in result:
+        for emit in result.emits:
             if emit.request_id not in self._active:
                 continue  # aborted while the batch ran
             if emit.is_final:
@@ -66,9 +67,9 @@ class SimpleScheduler(BaseScheduler):
             emits.append(emit)
         return emits
 
-    def fail(self, batch: list[WorkItem], message: str) -> list[Emit]:
+    def fail(self, batch: SimpleBatch, message: str) -> list[Emit]:
         by_request: dict[str, list[WorkItem]] = {}
-        for item in batch:
+        for item in batch.items:
             if item.request_id in self._active:
                 by_request.setdefault(item.request_id, []).append(item)
         if len(by_request) > 1:

@@ -17,18 +17,18 @@ from typing import Any
 import numpy as np
 
 from voice_server.engine.runtime import StageContext
-from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
+from voice_server.scheduling import Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkKind
 
 
-class Framer:
+class Framer(Runner[SimpleBatch, SimpleResult]):
     def __init__(self, frame_len: int) -> None:
         if not isinstance(frame_len, int) or frame_len < 1:
             raise ValueError("factory_args.frame_len must be an integer >= 1")
         self.frame_len = frame_len
 
-    def execute(self, batch: list[WorkItem]) -> list[Emit]:
+    def execute(self, batch: SimpleBatch) -> SimpleResult:
         emits: list[Emit] = []
-        for item in batch:
+        for item in batch.items:
             if item.kind is not WorkKind.NEW:
                 continue
             signal = item.payload.get("signal")
@@ -40,13 +40,11 @@ class Framer:
                 frame = signal[index * self.frame_len:(index + 1) * self.frame_len]
                 emits.append(Emit(item.request_id, EmitKind.STREAM, {"frame": frame.copy(), "index": index}))
             emits.append(Emit(item.request_id, EmitKind.RESULT, {"num_frames": num_frames}))
-        return emits
-
-    def release(self, request_id: str) -> None:
-        pass
+        return SimpleResult(tuple(emits))
 
 
-class ChunkMap:
+
+class ChunkMap(Runner[SimpleBatch, SimpleResult]):
     """Applies `fn` to every incoming chunk; emits RESULT with the chunk count at end of stream."""
 
     def __init__(self, fn: Any, delay_key: str = "chunk_delay_ms") -> None:
@@ -54,9 +52,9 @@ class ChunkMap:
         self.delay_key = delay_key
         self.num_seen: dict[str, int] = {}
 
-    def execute(self, batch: list[WorkItem]) -> list[Emit]:
+    def execute(self, batch: SimpleBatch) -> SimpleResult:
         emits: list[Emit] = []
-        for item in batch:
+        for item in batch.items:
             rid = item.request_id
             if item.kind is WorkKind.NEW:
                 self.num_seen[rid] = 0
@@ -71,7 +69,7 @@ class ChunkMap:
                 emits.append(Emit(rid, EmitKind.STREAM, self.fn(item.payload)))
             else:
                 emits.append(Emit(rid, EmitKind.RESULT, {"num_frames": self.num_seen.get(rid, 0)}))
-        return emits
+        return SimpleResult(tuple(emits))
 
     def release(self, request_id: str) -> None:
         self.num_seen.pop(request_id, None)
@@ -93,20 +91,20 @@ def create_sink(ctx: StageContext) -> ChunkMap:
     )
 
 
-class Echo:
+class Echo(Runner[SimpleBatch, SimpleResult]):
     """Returns each new request's payload as its result (relay round trips through the engine).
     A payload with `poison` set makes the whole batch raise, one with `emit_unencodable` emits an
     object msgpack cannot carry (failure isolation tests)."""
 
-    def execute(self, batch: list[WorkItem]) -> list[Emit]:
-        if any(i.payload.get("poison") for i in batch):
+    def execute(self, batch: SimpleBatch) -> SimpleResult:
+        items = batch.items
+        if any(i.payload.get("poison") for i in items):
             raise ValueError("poisoned input")
-        if any(i.payload.get("emit_unencodable") for i in batch):
-            return [Emit(i.request_id, EmitKind.RESULT, {"bad": object()}) for i in batch]
-        return [Emit(i.request_id, EmitKind.RESULT, dict(i.payload)) for i in batch if i.kind is WorkKind.NEW]
+        if any(i.payload.get("emit_unencodable") for i in items):
+            return SimpleResult(tuple(Emit(i.request_id, EmitKind.RESULT, {"bad": object()}) for i in items))
+        return SimpleResult(tuple(Emit(i.request_id, EmitKind.RESULT, dict(i.payload)) for i in items
+                                  if i.kind is WorkKind.NEW))
 
-    def release(self, request_id: str) -> None:
-        pass
 
 
 def create_echo(ctx: StageContext) -> Echo:
