@@ -52,7 +52,7 @@ def test_admission_is_fcfs_up_to_max_batch_size() -> None:
     for rid in "abc":
         sched.add(new(rid, [1, 2], max_tokens=2), 0.0)
     batch, _ = step(sched, runner)
-    assert [s.request_id for s in batch.seqs] == ["a", "b"] if batch else False
+    assert batch is not None and [s.request_id for s in batch.seqs] == ["a", "b"]
     assert sched.stats()["num_waiting"] == 1
     step(sched, runner)  # a and b finish
     batch, _ = step(sched, runner)
@@ -264,3 +264,17 @@ def test_the_ar_builder_reads_the_runner_spec() -> None:
     assert (sched.max_batch_size, sched.max_step_tokens, sched.cache.is_enabled) == (3, 32, False)
     with pytest.raises(TypeError, match="stage 'llm'.*ar_spec"):
         SCHEDULER_BUILDERS["ar"](stage, _ARRunner(None))
+
+
+def test_no_busy_wait_while_an_idle_stream_holds_the_pages_a_waiting_request_needs() -> None:
+    sched, runner = make(num_pages=4, page_size=2)
+    sched.add(new("s", list(range(7)), is_stream=True, max_tokens=1), 0.0)
+    assert shape(step(sched, runner)[0]) == [("s", 0, 6, False)]
+    sched.add(new("a", [9, 9, 9, 9, 9], max_tokens=1), 0.0)
+    assert sched.next_wakeup(0.0) == 0.0
+    assert sched.schedule(0.0) is None  # a needs 3 pages, 1 is free
+    assert sched.next_wakeup(0.0) is None  # until new input or an exit
+    sched.add(done("s"), 0.0)
+    assert sched.next_wakeup(0.0) == 0.0
+    emits = run_all(sched, runner)
+    assert result(emits["s"])["finish_reason"] == result(emits["a"])["finish_reason"] == "length"
