@@ -115,8 +115,8 @@ CASES: dict[str, tuple[str | bytes, tuple[str, ...]]] = {
         ("stage 'solo'", "field 'factory'", "not a callable"),
     ),
     "unimplemented_scheduler": (
-        one_stage(stage_extra=", scheduler: ar"),
-        ("stage 'solo'", "field 'scheduler'", "'ar' is not implemented", "implemented: simple"),
+        one_stage(stage_extra=", scheduler: code2wav"),
+        ("stage 'solo'", "field 'scheduler'", "'code2wav' is not implemented", "implemented: ar, simple"),
     ),
     "slab_too_big_for_dev_shm": (
         one_stage(f"relay_slab_bytes: {1 << 50}\n"),  # 1 PiB: 2 slabs (stage + coordinator)

@@ -30,6 +30,7 @@ from voice_server.engine import ipc
 from voice_server.engine.runtime import StageContext, create_runner, create_scheduler
 from voice_server.relay.shm import SHM_DIR as RELAY_SHM_DIR
 from voice_server.scheduling import SCHEDULER_BUILDERS
+from voice_server.scheduling.contract import ARSpec
 from voice_server.stages.numeric import Echo
 
 ECHO = "voice_server.stages.numeric:create_echo"
@@ -205,7 +206,12 @@ def test_scheduler_registry_is_the_single_source() -> None:
         cfg = pipeline_from_dict(raw)
         if name in SCHEDULER_BUILDERS:
             check_environment(cfg)
-            assert create_scheduler(cfg.stages[0], Echo()) is not None
+            runner = Echo()
+            if name == "ar":  # NOTE: an ar scheduler is sized by its runner's KV cache
+                with pytest.raises(TypeError, match="stage 'solo': scheduler 'ar' needs a runner with an `ar_spec`"):
+                    create_scheduler(cfg.stages[0], runner)
+                runner.ar_spec = ARSpec(num_pages=4, page_size=16, max_model_len=64)  # type: ignore[attr-defined]
+            assert create_scheduler(cfg.stages[0], runner) is not None
         else:
             with pytest.raises(ConfigError, match=f"stage 'solo': field 'scheduler': '{name}' is not implemented"):
                 check_environment(cfg)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from voice_server.scheduling.ar import ARScheduler
 from voice_server.scheduling.base import (
     AdmissionError,
     BaseScheduler,
@@ -15,7 +16,7 @@ from voice_server.scheduling.base import (
     WorkItem,
     WorkKind,
 )
-from voice_server.scheduling.contract import SimpleBatch, SimpleResult
+from voice_server.scheduling.contract import ARSpec, SimpleBatch, SimpleResult
 from voice_server.scheduling.simple import SimpleScheduler
 
 if TYPE_CHECKING:
@@ -29,7 +30,20 @@ def _build_simple(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
     return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0)
 
 
-SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig, AnyRunner], AnyScheduler]] = {"simple": _build_simple}
+def _build_ar(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
+    spec = getattr(runner, "ar_spec", None)
+    if not isinstance(spec, ARSpec):
+        raise TypeError(
+            f"stage '{stage.name}': scheduler 'ar' needs a runner with an `ar_spec` (ARSpec) attribute, "
+            f"{type(runner).__name__} has {type(spec).__name__}"
+        )
+    return ARScheduler(spec, stage.max_batch_size, stage.max_step_tokens, stage.prefix_cache)
+
+
+SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig, AnyRunner], AnyScheduler]] = {
+    "ar": _build_ar,
+    "simple": _build_simple,
+}
 """Implemented scheduler types by config name: the single source of truth for `create_scheduler` (which
 builds from it, after the runner, since a scheduler may be sized by its runner: KV pages) and
 `check-config` (which refuses the rest). A config may name a type that is valid but not yet here
@@ -37,6 +51,7 @@ builds from it, after the runner, since a scheduler may be sized by its runner: 
 
 __all__ = [
     "SCHEDULER_BUILDERS",
+    "ARScheduler",
     "AdmissionError",
     "AnyRunner",
     "AnyScheduler",
