@@ -143,6 +143,30 @@ def test_fail_errors_only_the_batch_members_and_frees_their_pages() -> None:
     assert result(run_all(sched, runner)["b"])["finish_reason"] == "length"
 
 
+def test_a_failed_batch_runs_each_member_alone_and_fails_only_the_culprit() -> None:
+    sched, runner = make(max_step_tokens=64)
+    for rid in "abc":
+        sched.add(new(rid, [1, 2, 3], max_tokens=4), 0.0)
+    batch = sched.schedule(0.0)
+    assert batch is not None and len(batch.seqs) == 3
+    assert sched.fail(batch, "boom") == []  # nobody fails yet: each runs alone first
+    solos = []
+    for _ in range(3):
+        solo = sched.schedule(0.0)
+        assert solo is not None and len(solo.seqs) == 1
+        solos.append(solo.seqs[0].request_id)
+        if solo.seqs[0].request_id == "b":
+            emits = sched.fail(solo, "boom")
+            assert [(e.request_id, e.kind) for e in emits] == [("b", EmitKind.ERROR)]
+        else:
+            sched.update(solo, runner.execute(solo))
+    assert solos == ["a", "b", "c"]
+    check_pages(sched)
+    outcomes = run_all(sched, runner)
+    assert set(outcomes) == {"a", "c"} and all(result(o)["finish_reason"] == "length" for o in outcomes.values())
+    assert sched.stats()["num_used_pages"] == 0
+
+
 def test_a_prefix_hit_skips_cached_full_pages() -> None:
     prompt = list(range(100, 117))  # 4 full pages of 4 + 1
     sched, runner = make()

@@ -107,7 +107,9 @@ def test_random_traffic_keeps_pages_consistent_and_outputs_unchanged(data: st.Da
                 continue
             if op == "fail":
                 failed = sched.fail(batch, "boom")
-                assert sorted(e.request_id for e in failed) == sorted(s.request_id for s in batch.seqs)
+                # NOTE: a batch of several runs each member alone first; only a lone step fails.
+                expected = [s.request_id for s in batch.seqs] if len(batch.seqs) == 1 else []
+                assert sorted(e.request_id for e in failed) == expected
                 gone.update(e.request_id for e in failed)
             else:
                 victim = data.draw(st.sampled_from([s.request_id for s in batch.seqs]))

@@ -41,6 +41,8 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         self._is_stalled = False
         """The last `schedule` found nothing it could run; only new input or an exit changes that."""
         self.num_preemptions = 0
+        self._suspects: deque[str] = deque()
+        """Members of a step that raised, each to run one step alone before anything else."""
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -99,6 +101,9 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         return 0.0 if has_work else None
 
     def schedule(self, now: float) -> ARBatch | None:
+        solo = self._schedule_suspect()
+        if solo is not None:
+            return solo
         budget = self.max_step_tokens
         chunks: dict[str, int] = {}
         """Request id -> tokens to compute this step, in batch order."""
@@ -133,6 +138,17 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         batch = ARBatch(tuple(self._seq(self._requests[rid], num) for rid, num in chunks.items()))
         self._is_stalled = not batch.seqs
         return batch if batch.seqs else None
+
+    def _schedule_suspect(self) -> ARBatch | None:
+        """One step of the next suspect alone: a culprit then fails by itself, the others go on."""
+        while self._suspects:
+            request = self._requests.get(self._suspects.popleft())
+            if request is None or request not in self._running or request.num_pending_tokens == 0:
+                continue
+            num = min(request.num_pending_tokens, self.max_step_tokens)
+            if self._grow(request, request.num_computed_tokens + num):
+                return ARBatch((self._seq(request, num),))
+        return None
 
     def _admit(self, budget: int, chunks: dict[str, int]) -> int:
         for request in list(self._waiting):
@@ -238,6 +254,14 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
 
     def fail(self, batch: ARBatch, message: str) -> list[Emit]:
         self._is_stalled = False
+        held = [seq.request_id for seq in batch.seqs if seq.request_id in self._requests]
+        if len(held) > 1:
+            # NOTE: one bad request must not fail those batched with it. A step writes KV only at
+            # positions past each request's computed tokens (not advanced by a failed step), so
+            # rerunning is safe: each member runs one step alone first, and only a request whose
+            # solo step raises fails.
+            self._suspects.extend(held)
+            return []
         emits = []
         for seq in batch.seqs:
             request = self._requests.get(seq.request_id)
