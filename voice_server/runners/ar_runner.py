@@ -40,6 +40,8 @@ class DecoderRunnerConfig:
     """None: the model's max_position_embeddings (always capped by it and by the cache)."""
     max_step_tokens: int = 512
     """Most tokens one step computes (sizes the activation reserve)."""
+    max_num_seqs: int = 8
+    """Most sequences one step samples (sizes the logits part of the reserve)."""
     sampling_defaults: SamplingParams = SamplingParams()
     is_batch_invariant: bool = True
     """Pad every step to the row count from which matrix products are row-independent, so a
@@ -48,7 +50,7 @@ class DecoderRunnerConfig:
     """Seeds the generators of requests that give no seed (None: nondeterministic)."""
 
     def __post_init__(self) -> None:
-        for name in ("budget_bytes", "page_size", "max_step_tokens"):
+        for name in ("budget_bytes", "page_size", "max_step_tokens", "max_num_seqs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecoderRunnerConfig.{name} must be an integer >= 1, got {value!r}")
@@ -71,7 +73,12 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             budget_bytes=config.budget_bytes,
             weight_bytes=weight_bytes(model),
             reserve_bytes=activation_reserve_bytes(
-                config.max_step_tokens, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, elem
+                config.max_step_tokens,
+                config.max_num_seqs,
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.vocab_size,
+                elem,
             ),
             bytes_per_page=PagedKVCache.bytes_per_page(
                 cfg.num_hidden_layers, config.page_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype

@@ -60,7 +60,8 @@ def top_k_top_p_mask(logits: torch.Tensor, top_ks: Sequence[int], top_ps: Sequen
     if is_top_p:
         sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
-        ps = torch.tensor(top_ps, dtype=probs.dtype, device=device)[:, None]
+        # NOTE: top_p 1 is off, not "keep mass 1": a float cumsum may reach 1 before the last token.
+        ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], dtype=probs.dtype, device=device)[:, None]
         # A token goes when the tokens ranked above it already reach top_p (the first always stays).
         sorted_remove = (probs.cumsum(dim=-1) - probs) >= ps
         sorted_remove[:, 0] = False

@@ -41,12 +41,18 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def activation_reserve_bytes(
-    max_step_tokens: int, hidden_size: int, intermediate_size: int, vocab_size: int, elem_size: int
+    max_step_tokens: int,
+    max_num_seqs: int,
+    hidden_size: int,
+    intermediate_size: int,
+    vocab_size: int,
+    elem_size: int,
 ) -> int:
     """A generous bound on one step's live activations: a few hidden-size and MLP-size rows per token,
-    and fp32 logits with sampling scratch for every token (the worst case: all of them sample)."""
-    per_token = (8 * hidden_size + 3 * intermediate_size) * elem_size + 4 * 4 * vocab_size
-    return BASE_RESERVE_BYTES + max_step_tokens * per_token
+    and fp32 logits with sampling scratch (sort, probabilities, noise) per sampled sequence."""
+    per_token = (8 * hidden_size + 3 * intermediate_size) * elem_size
+    per_seq = 6 * 4 * vocab_size
+    return BASE_RESERVE_BYTES + max_step_tokens * per_token + min(max_num_seqs, max_step_tokens) * per_seq
 
 
 def plan_kv_cache(

@@ -81,6 +81,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
         page_size=page_size,
         max_model_len=max_model_len,
         max_step_tokens=stage.max_step_tokens,
+        max_num_seqs=stage.max_batch_size,
         sampling_defaults=sampling,
         is_batch_invariant=is_batch_invariant,
         sampler_seed=sampler_seed,
