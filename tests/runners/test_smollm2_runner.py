@@ -93,3 +93,22 @@ def test_seeded_sampling_is_batch_independent(runner: DecoderRunner, prompts: An
     top1 = SamplingParams(temperature=0.7, top_k=1, seed=3)
     greedy = run(runner, {"q2": Request(prompts["q2"], max_new_tokens=12)})["q2"].output
     assert run(runner, {"q2": Request(prompts["q2"], top1, max_new_tokens=12)})["q2"].output == greedy
+
+
+def test_create_llm_default_stage(loaded: Any) -> None:
+    from voice_server.config import PipelineConfig, StageConfig
+    from voice_server.engine.runtime import StageContext
+    from voice_server.stages.llm import create_llm
+
+    stage = StageConfig(
+        name="thinker",
+        factory="voice_server.stages.llm:create_llm",
+        scheduler="ar",
+        terminal=True,
+        factory_args={"page_size": 32, "max_model_len": 1024, "sampling": {"temperature": 0.6, "top_p": 0.9}},
+    )
+    runner = create_llm(StageContext(stage, PipelineConfig(name="t", stages=(stage,)), 1 << 30, "test"))
+    assert runner.ar_spec.page_size == 32 and runner.ar_spec.max_model_len == 1024
+    item = runner.admit(WorkItem("r", WorkKind.NEW, {"prompt": "Hello"}, {"sampling": {"top_p": 0.5}}))
+    assert item.payload == {"token_ids": loaded[1].encode("Hello")}
+    assert (item.params["sampling"]["temperature"], item.params["sampling"]["top_p"]) == (0.6, 0.5)
