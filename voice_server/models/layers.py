@@ -1,17 +1,21 @@
 """Building blocks shared by every decoder in `voice_server.models`.
 
 Models take an explicit `KVCache` argument and never loop over generation steps themselves:
-a runner drives them one step at a time (the AR scheduling issue swaps this contiguous cache
-for a paged one behind the same `update` contract).
+a runner drives them one step at a time. The server's runner passes a paged
+`voice_server.models.paged.AttentionContext` in the cache's place instead.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from voice_server.models.paged import AttentionContext
 
 
 class RMSNorm(nn.Module):
@@ -178,12 +182,13 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | AttentionContext | None = None,
         layer_idx: int = 0,
         extra_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [B, L, hidden]; `extra_mask` (bool [B, 1, L, Lk], True = attend) is ANDed with the
-        causal mask, e.g. for left padding in a batch."""
+        causal mask, e.g. for left padding in a batch. With an `AttentionContext` (paged cache),
+        x is [1, num_rows, hidden]: the flat tokens of a ragged batch."""
         bsz, q_len, _ = x.shape
         q = self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim)
@@ -193,12 +198,15 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if cos is not None and sin is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        if kv_cache is not None:
-            k, v = kv_cache.update(layer_idx, k, v)
-        mask = causal_mask(q_len, k.shape[2], x.device, self.sliding_window)
-        if extra_mask is not None:
-            mask = mask & extra_mask
-        out = sdpa(q, k, v, mask)
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            out = kv_cache.attend(layer_idx, q, k, v, self.sliding_window)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(layer_idx, k, v)
+            mask = causal_mask(q_len, k.shape[2], x.device, self.sliding_window)
+            if extra_mask is not None:
+                mask = mask & extra_mask
+            out = sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -218,7 +226,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
-        kv_cache: KVCache | None,
+        kv_cache: KVCache | AttentionContext | None,
         layer_idx: int,
         extra_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:

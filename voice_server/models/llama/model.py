@@ -22,6 +22,7 @@ from voice_server.models.layers import (
     rope_inv_freq,
 )
 from voice_server.models.llama.config import LlamaConfig
+from voice_server.models.paged import AttentionContext
 
 
 def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -76,6 +77,7 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: not a buffer: the model may be built on the meta device and materialised by the
         # loader, and a buffer would then hold garbage; this is recomputed per device on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -106,6 +108,38 @@ class LlamaForCausalLM(nn.Module):
         if inv_freq is None:
             inv_freq = self._inv_freq[device] = llama_inv_freq(self.config).to(device)
         return rope_cos_sin(rope_angles(positions, inv_freq), dtype)
+
+    def rope_table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [max_position_embeddings, head_dim] for every position, computed once per device.
+
+        NOTE: the paged path indexes this table rather than computing cos/sin per step: cheaper, and
+        a row's values then cannot depend on how many rows the step has (vectorised vs scalar tails).
+        """
+        key = (device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None:
+            positions = torch.arange(self.config.max_position_embeddings, device=device)
+            table = self._rope_tables[key] = self.rope_cos_sin(positions, dtype)
+        return table
+
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Flat input_ids/positions [T] of a ragged batch -> logits [S, V] of rows `logits_indices` [S].
+
+        Only the rows that are sampled go through the final norm and lm_head.
+        """
+        x = self.model.embed_tokens(input_ids)[None]
+        cos_table, sin_table = self.rope_table(x.device, x.dtype)
+        cos, sin = cos_table[positions][None], sin_table[positions][None]
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, ctx, i)
+        hidden = x[0].index_select(0, logits_indices)
+        return self.lm_head(self.model.norm(hidden))
 
     def forward(
         self,

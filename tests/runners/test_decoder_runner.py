@@ -1,0 +1,212 @@
+"""DecoderRunner on a tiny dummy Llama: paged attention against the contiguous cache, batch
+invariance, KV sizing, admission and the stage factory's argument checks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from ar_batches import Request, run
+
+from voice_server.config import PipelineConfig, StageConfig
+from voice_server.config.errors import ConfigError
+from voice_server.engine.runtime import StageContext
+from voice_server.models.llama import LlamaConfig, generate_greedy, load_llama
+from voice_server.models.paged import PagedKVCache, build_attention_context
+from voice_server.runners import DecoderRunner, DecoderRunnerConfig
+from voice_server.runners.sizing import min_invariant_rows, plan_kv_cache
+from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
+from voice_server.scheduling.contract import ARBatch, ARSeq, SamplingParams
+from voice_server.stages.llm import create_llm
+
+torch.set_num_threads(1)
+
+CFG = LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    eos_token_ids=(3,),
+)
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return load_llama(load_format="dummy", config=CFG, seed=1)
+
+
+@pytest.fixture(scope="module")
+def runner(model: Any) -> DecoderRunner:
+    return DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=120 * MIB, page_size=4, max_step_tokens=64))
+
+
+def _prompts(num: int, seed: int = 0) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"r{i}": torch.randint(4, CFG.vocab_size, (3 + 9 * i,), generator=gen).tolist() for i in range(num)}
+
+
+@torch.inference_mode()
+def test_paged_forward_equals_contiguous(model: Any) -> None:
+    """Two sequences (a prefill chunk after cached tokens, a decode token) against the KVCache path."""
+    cache = PagedKVCache(CFG.num_hidden_layers, 16, 4, CFG.num_key_value_heads, CFG.head_dim, torch.float32)
+    ids = _prompts(2)
+    a, b = ids["r0"] + ids["r1"][:6], ids["r1"]
+    pages_a, pages_b = [9, 2, 5], [0, 15, 7, 1]
+    # Step 1: a without its last 2 tokens, b without its last; step 2: a 2-token chunk and a decode.
+    first = [(0, len(a) - 2, pages_a), (0, len(b) - 1, pages_b)]
+    ctx, pos = build_attention_context(cache, first, len(a) + len(b) - 3)
+    model.forward_paged(torch.tensor(a[:-2] + b[:-1]), pos, ctx, torch.tensor([0]))
+    second = [(len(a) - 2, 2, pages_a), (len(b) - 1, 1, pages_b)]
+    ctx, pos = build_attention_context(cache, second, 4)
+    logits = model.forward_paged(torch.tensor(a[-2:] + b[-1:] + [0]), pos, ctx, torch.tensor([0, 1, 2]))
+    for rows, seq in ((slice(0, 2), a), (slice(2, 3), b)):
+        ref = model(torch.tensor([seq]), torch.arange(len(seq))[None], model.make_kv_cache())[0]
+        n = rows.stop - rows.start
+        torch.testing.assert_close(logits[rows], ref[-n:], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_matches_generate_greedy_batched_and_chunked(model: Any, runner: DecoderRunner) -> None:
+    prompts = _prompts(6)
+    ref = {rid: generate_greedy(model, p, 10) for rid, p in prompts.items()}
+    requests = {rid: Request(p, max_new_tokens=10, start_step=i) for i, (rid, p) in enumerate(prompts.items())}
+    out = run(runner, requests)
+    assert {rid: r.output for rid, r in out.items()} == ref
+    chunked = run(runner, {"r5": Request(prompts["r5"], max_new_tokens=10, chunk_sizes=(1, 7, 13))})
+    assert chunked["r5"].output == ref["r5"]
+
+
+def test_logits_are_batch_invariant(model: Any, runner: DecoderRunner) -> None:
+    """The same decode step alone and next to other sequences: bit-identical logits."""
+    assert runner.min_rows >= 2
+    prompts = _prompts(8, seed=3)
+    out = run(runner, {rid: Request(p, max_new_tokens=1) for rid, p in prompts.items()})
+    captured: list[torch.Tensor] = []
+    original = model.forward_paged
+
+    def spy(*args: Any) -> torch.Tensor:
+        captured.append(original(*args))
+        return captured[-1]
+
+    model.forward_paged = spy
+    try:
+        seqs = []
+        page = 0
+        for rid, p in prompts.items():
+            tokens = p + out[rid].output
+            num_pages = -(-len(tokens) // 4)
+            # Recompute the prompt (prefill) then a decode token, alone and batched.
+            seqs.append((rid, tokens, tuple(range(page, page + num_pages))))
+            page += num_pages
+
+        def step(chosen: list[Any]) -> list[torch.Tensor]:
+            sp = SamplingParams()
+            runner.execute(ARBatch(tuple(ARSeq(r, tuple(t[:-1]), 0, pg, False, sp) for r, t, pg in chosen)))
+            captured.clear()
+            runner.execute(ARBatch(tuple(ARSeq(r, (t[-1],), len(t) - 1, pg, True, sp) for r, t, pg in chosen)))
+            return list(captured[-1])
+
+        batched = step(seqs)
+        for i in (0, 3, 7):
+            assert torch.equal(step([seqs[i]])[0], batched[i]), i
+    finally:
+        del model.forward_paged
+
+
+def test_kv_sizing_from_budget(model: Any, runner: DecoderRunner) -> None:
+    plan = runner.plan
+    per_page = PagedKVCache.bytes_per_page(2, 4, 2, 16, torch.float32)
+    assert per_page == 2 * 2 * 4 * 2 * 16 * 4
+    assert plan.num_pages == (120 * MIB - plan.weight_bytes - plan.reserve_bytes) // per_page - 1
+    assert runner.ar_spec.num_pages == plan.num_pages and runner.ar_spec.page_size == 4
+    assert runner.ar_spec.max_model_len == 512 and runner.ar_spec.eos_token_ids == (3,)
+    assert runner.cache.kv.shape == (2, 2, plan.num_pages + 1, 4, 2, 16)
+    small = plan_kv_cache(
+        budget_bytes=10_000, weight_bytes=1000, reserve_bytes=1000, bytes_per_page=1000, page_size=4, max_model_len=512
+    )
+    assert (small.num_pages, small.max_model_len) == (7, 28)  # the cache caps max_model_len
+    with pytest.raises(ValueError, match="raise memory_fraction"):
+        DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=MIB))
+
+
+def test_min_invariant_rows_is_found() -> None:
+    weight = torch.randn(192, 64)
+    rows = min_invariant_rows([weight])
+    x = torch.randn(40, 64)
+    ref = torch.nn.functional.linear(x, weight)
+    for m in range(rows, 40):
+        assert torch.equal(torch.nn.functional.linear(x[:m], weight), ref[:m])
+
+
+def test_execute_refuses_bad_batches(runner: DecoderRunner) -> None:
+    sp = SamplingParams()
+    with pytest.raises(ValueError, match="do not cover"):
+        runner.execute(ARBatch((ARSeq("a", (1, 2, 3, 4, 5), 0, (0,), True, sp),)))
+    with pytest.raises(ValueError, match="page id outside"):
+        runner.execute(ARBatch((ARSeq("a", (1,), 0, (runner.ar_spec.num_pages,), True, sp),)))
+    with pytest.raises(ValueError, match="outside"):
+        runner.execute(ARBatch((ARSeq("a", (1,), 512, tuple(range(129)), True, sp),)))
+
+
+def _new(payload: Any, params: Any = None, **kw: Any) -> WorkItem:
+    return WorkItem("r", WorkKind.NEW, payload, params if params is not None else {}, **kw)
+
+
+def test_admission(runner: DecoderRunner) -> None:
+    item = runner.admit(_new({"token_ids": [5, 6, 7]}, {"sampling": {"temperature": 0.5}, "other": 1}))
+    assert item.payload == {"token_ids": [5, 6, 7]}
+    assert item.params["other"] == 1 and item.params["sampling"]["temperature"] == 0.5
+    assert SamplingParams.from_params(item.params).temperature == 0.5
+    assert runner.admit(_new({}, is_stream=True)).payload == {"token_ids": []}
+    chunk = runner.admit(WorkItem("r", WorkKind.CHUNK, {"token_ids": [9]}, seq=0))
+    assert chunk.payload == {"token_ids": [9]}
+    bad = [
+        (_new({}), "exactly one of"),
+        (_new({"token_ids": [1], "prompt": "x"}), "exactly one of"),
+        (_new({"token_ids": [1], "extra": 2}), "unknown field"),
+        (_new({"token_ids": "12"}), "payload.token_ids: must be a list"),
+        (_new({"token_ids": [1, 256]}), "payload.token_ids: 256 is not a token id"),
+        (_new({"token_ids": [1, True]}), "payload.token_ids: True"),
+        (_new({"token_ids": []}), "gives no tokens"),
+        (_new({"token_ids": [1] * 512}), "payload.token_ids: 512 tokens"),
+        (_new({"prompt": "hi"}), "payload.prompt: this stage has no tokenizer"),
+        (_new({"prompt": 3}), "payload.prompt: must be a string"),
+        (_new({"messages": []}), "payload.messages: must be a non-empty list"),
+        (_new({"messages": [{"role": "bot", "content": "x"}]}), r"payload.messages\[0\].role"),
+        (_new({"messages": [{"role": "user", "content": 1}]}), r"payload.messages\[0\].content"),
+        (_new({"token_ids": [1]}, {"sampling": {"temprature": 1}}), "params.sampling: unknown field"),
+        (_new({"token_ids": [1]}, {"sampling": {"top_p": 0}}), "params.sampling.top_p"),
+        (WorkItem("r", WorkKind.CHUNK, {"words": "x"}), "chunk payload: needs exactly one of"),
+    ]
+    for work, message in bad:
+        with pytest.raises(AdmissionError, match=message):
+            runner.admit(work)
+
+
+def _ctx(args: dict[str, Any], budget: int = 2 << 30) -> StageContext:
+    stage = StageConfig(
+        name="thinker", factory="voice_server.stages.llm:create_llm", scheduler="ar", terminal=True, factory_args=args
+    )
+    return StageContext(stage, PipelineConfig(name="t", stages=(stage,)), budget, "test")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"modle": "smollm2"}, "field 'factory_args.modle': unknown key"),
+        ({"quantization": "int8"}, "factory_args.quantization.*not available yet"),
+        ({"quantization": "int3"}, "factory_args.quantization.*must be one of"),
+        ({"dtype": "fp16"}, "factory_args.dtype"),
+        ({"page_size": 0}, "factory_args.page_size"),
+        ({"sampling": {"top_k": -1}}, "factory_args.sampling.*top_k"),
+        ({"model": "/nonexistent"}, "factory_args.model"),
+    ],
+)
+def test_factory_refuses_bad_args(args: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        create_llm(_ctx(args))

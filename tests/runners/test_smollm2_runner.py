@@ -1,0 +1,114 @@
+"""DecoderRunner on the real SmolLM2-135M-Instruct GGUF (fp32): greedy ids against the contiguous
+cache, the same ids alone / batched / chunked, seeded sampling independent of the batch, text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from ar_batches import Request, run
+
+from voice_server.models.llama import generate_greedy, load_gguf_with_tokenizer
+from voice_server.models.llama.loader import find_smollm2_gguf
+from voice_server.runners import DecoderRunner, DecoderRunnerConfig
+from voice_server.scheduling import WorkItem, WorkKind
+from voice_server.scheduling.contract import SamplingParams
+
+torch.set_num_threads(1)
+
+NUM_NEW_TOKENS = 24
+QUESTIONS = [
+    "What is the capital of France?",
+    "Give me one tip for sleeping better.",
+    "Write a haiku about the sea.",
+    "Translate 'good morning' into Japanese.",
+    "List three primary colours.",
+    "Why is the sky blue? Answer in one sentence.",
+    "Name a famous painter.",
+    "What is 12 times 7?",
+]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> Any:
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    model, tokenizer = load_gguf_with_tokenizer(path)
+    model.use_column_major_weights()
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def runner(loaded: Any) -> DecoderRunner:
+    model, tokenizer = loaded
+    return DecoderRunner(model, tokenizer, DecoderRunnerConfig(budget_bytes=1200 << 20, max_step_tokens=256))
+
+
+@pytest.fixture(scope="module")
+def prompts(runner: DecoderRunner) -> dict[str, list[int]]:
+    out = {}
+    for i, question in enumerate(QUESTIONS):
+        item = runner.admit(WorkItem(f"q{i}", WorkKind.NEW, {"messages": [{"role": "user", "content": question}]}))
+        out[f"q{i}"] = item.payload["token_ids"]
+    return out
+
+
+def test_spec(runner: DecoderRunner) -> None:
+    spec = runner.ar_spec
+    assert spec.eos_token_ids == (2,) and spec.page_size == 16
+    plan = runner.plan
+    assert 510 << 20 < plan.weight_bytes < 520 << 20  # 134.5M fp32 parameters, the embedding tied
+    assert plan.kv_bytes == (spec.num_pages + 1) * 30 * 2 * 16 * 3 * 64 * 4
+    assert plan.weight_bytes + plan.reserve_bytes + plan.kv_bytes <= 1200 << 20
+    assert spec.max_model_len == min(8192, spec.num_pages * 16) and spec.num_pages > 500
+
+
+def test_greedy_matches_contiguous_alone_batched_and_chunked(loaded: Any, runner: DecoderRunner, prompts: Any) -> None:
+    model, tokenizer = loaded
+    ref = generate_greedy(model, prompts["q0"], NUM_NEW_TOKENS)
+    alone = run(runner, {"q0": Request(prompts["q0"], max_new_tokens=NUM_NEW_TOKENS)})["q0"]
+    assert alone.output == ref, (tokenizer.decode(alone.output), tokenizer.decode(ref))
+    assert alone.text == tokenizer.decode(ref)
+    # With 7 others that join at different steps (so q0 decodes next to prefills and decodes).
+    batch = {
+        rid: Request(p, max_new_tokens=NUM_NEW_TOKENS, start_step=i % 4) for i, (rid, p) in enumerate(prompts.items())
+    }
+    out = run(runner, batch)
+    assert out["q0"].output == ref
+    for rid in ("q3", "q5"):
+        assert out[rid].output == generate_greedy(model, prompts[rid], NUM_NEW_TOKENS), rid
+    chunked = run(runner, {"q0": Request(prompts["q0"], max_new_tokens=NUM_NEW_TOKENS, chunk_sizes=(7, 16))})
+    assert chunked["q0"].output == ref
+
+
+def test_seeded_sampling_is_batch_independent(runner: DecoderRunner, prompts: Any) -> None:
+    sampling = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, repetition_penalty=1.2, seed=7)
+    alone = run(runner, {"q1": Request(prompts["q1"], sampling, max_new_tokens=16)})["q1"].output
+    batch = {rid: Request(p, SamplingParams(temperature=1.0), max_new_tokens=16) for rid, p in prompts.items()}
+    batch["q1"] = Request(prompts["q1"], sampling, max_new_tokens=16, start_step=2)
+    assert run(runner, batch)["q1"].output == alone
+    top1 = SamplingParams(temperature=0.7, top_k=1, seed=3)
+    greedy = run(runner, {"q2": Request(prompts["q2"], max_new_tokens=12)})["q2"].output
+    assert run(runner, {"q2": Request(prompts["q2"], top1, max_new_tokens=12)})["q2"].output == greedy
+
+
+def test_create_llm_default_stage(loaded: Any) -> None:
+    from voice_server.config import PipelineConfig, StageConfig
+    from voice_server.engine.runtime import StageContext
+    from voice_server.stages.llm import create_llm
+
+    stage = StageConfig(
+        name="thinker",
+        factory="voice_server.stages.llm:create_llm",
+        scheduler="ar",
+        terminal=True,
+        factory_args={"page_size": 32, "max_model_len": 1024, "sampling": {"temperature": 0.6, "top_p": 0.9}},
+    )
+    runner = create_llm(StageContext(stage, PipelineConfig(name="t", stages=(stage,)), 1 << 30, "test"))
+    assert runner.ar_spec.page_size == 32 and runner.ar_spec.max_model_len == 1024
+    item = runner.admit(WorkItem("r", WorkKind.NEW, {"prompt": "Hello"}, {"sampling": {"top_p": 0.5}}))
+    assert item.payload == {"token_ids": loaded[1].encode("Hello")}
+    assert (item.params["sampling"]["temperature"], item.params["sampling"]["top_p"]) == (0.6, 0.5)

@@ -1,0 +1,7 @@
+"""Runners: the torch side of a stage (what a stage factory returns), one module per runner kind."""
+
+from __future__ import annotations
+
+from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig
+
+__all__ = ["DecoderRunner", "DecoderRunnerConfig"]

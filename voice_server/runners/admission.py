@@ -1,0 +1,157 @@
+"""Checking and converting an AR stage's request input into token ids (the runner's `admit`).
+
+NEW payloads: `{"messages": [{"role", "content"}, ...]}` (chat template with generation prompt),
+`{"prompt": str}` or `{"token_ids": [int, ...]}`; an empty payload only for a streamed request
+(its input arrives as CHUNKs). CHUNK payloads: `{"text": str}` or `{"token_ids": [...]}`.
+Every refusal is an `AdmissionError` naming the offending field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
+from voice_server.scheduling.contract import SamplingParams
+
+ROLES = ("system", "user", "assistant")
+MAX_MESSAGES = 256
+_MAX_CHARS_PER_TOKEN = 32
+"""Text longer than this many characters per allowed token is refused before tokenising it."""
+
+EncodeChat = Callable[[Sequence[dict[str, str]]], list[int]]
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True)
+class AdmissionRules:
+    vocab_size: int
+    max_model_len: int
+    sampling_defaults: SamplingParams
+    encode: Encode | None = None
+    """Text -> ids; None when the stage has no tokenizer (only `token_ids` is accepted)."""
+    encode_chat: EncodeChat | None = None
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 1 or self.max_model_len < 2:
+            raise ValueError(f"AdmissionRules: bad vocab_size={self.vocab_size} or max_model_len={self.max_model_len}")
+
+    @property
+    def max_input_len(self) -> int:
+        """Input tokens one request may bring: room stays for at least one output token."""
+        return self.max_model_len - 1
+
+
+def admit(item: WorkItem, rules: AdmissionRules) -> WorkItem:
+    if item.kind is WorkKind.DONE:
+        return item
+    payload = item.payload if isinstance(item.payload, dict) else None
+    if payload is None:
+        raise AdmissionError(f"payload: must be a mapping, got {type(item.payload).__name__}")
+    params = item.params
+    if item.kind is WorkKind.NEW:
+        params = merged_sampling_params(item.params, rules.sampling_defaults)
+        if not payload and item.is_stream:
+            return dataclasses.replace(item, payload={"token_ids": []}, params=params)
+        token_ids = _new_token_ids(payload, rules)
+    else:
+        token_ids = _chunk_token_ids(payload, rules)
+    return dataclasses.replace(item, payload={"token_ids": token_ids}, params=params)
+
+
+def merged_sampling_params(params: dict[str, Any], defaults: SamplingParams) -> dict[str, Any]:
+    """`params` with `sampling` replaced by every field of the request's sampling over the defaults."""
+    if not isinstance(params, dict):
+        raise AdmissionError(f"params: must be a mapping, got {type(params).__name__}")
+    try:
+        sampling = SamplingParams.from_params(params, defaults)
+    except ValueError as exc:
+        raise AdmissionError(str(exc)) from exc
+    return {**params, "sampling": dataclasses.asdict(sampling)}
+
+
+def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules) -> list[int]:
+    keys = [k for k in ("messages", "prompt", "token_ids") if k in payload]
+    if len(keys) != 1:
+        raise AdmissionError("payload: needs exactly one of 'messages', 'prompt', 'token_ids'")
+    unknown = sorted(str(k) for k in payload if k != keys[0])
+    if unknown:
+        raise AdmissionError(f"payload: unknown field(s) {', '.join(unknown)}")
+    key = keys[0]
+    if key == "token_ids":
+        ids = check_token_ids("payload.token_ids", payload[key], rules)
+    elif key == "prompt":
+        ids = _encode_text("payload.prompt", payload[key], rules)
+    else:
+        messages = _check_messages(payload[key], rules)
+        if rules.encode_chat is None:
+            raise AdmissionError("payload.messages: this stage has no chat template; send token_ids")
+        ids = rules.encode_chat(messages)
+        _check_len("payload.messages", len(ids), rules)
+    if not ids:
+        raise AdmissionError(f"payload.{key}: gives no tokens")
+    return ids
+
+
+def _chunk_token_ids(payload: dict[str, Any], rules: AdmissionRules) -> list[int]:
+    keys = [k for k in ("text", "token_ids") if k in payload]
+    if len(keys) != 1:
+        raise AdmissionError("chunk payload: needs exactly one of 'text', 'token_ids'")
+    if keys[0] == "token_ids":
+        return check_token_ids("chunk payload.token_ids", payload["token_ids"], rules)
+    return _encode_text("chunk payload.text", payload["text"], rules)
+
+
+def check_token_ids(where: str, value: Any, rules: AdmissionRules) -> list[int]:
+    if not isinstance(value, list | tuple):
+        raise AdmissionError(f"{where}: must be a list of token ids, got {type(value).__name__}")
+    _check_len(where, len(value), rules)
+    for token in value:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < rules.vocab_size:
+            raise AdmissionError(f"{where}: {token!r} is not a token id in [0, {rules.vocab_size})")
+    return list(value)
+
+
+def _encode_text(where: str, value: Any, rules: AdmissionRules) -> list[int]:
+    if not isinstance(value, str):
+        raise AdmissionError(f"{where}: must be a string, got {type(value).__name__}")
+    if len(value) > rules.max_input_len * _MAX_CHARS_PER_TOKEN:
+        raise AdmissionError(f"{where}: {len(value)} characters is too long")
+    if rules.encode is None:
+        raise AdmissionError(f"{where}: this stage has no tokenizer; send token_ids")
+    ids = rules.encode(value)
+    _check_len(where, len(ids), rules)
+    return ids
+
+
+def _check_messages(value: Any, rules: AdmissionRules) -> list[dict[str, str]]:
+    if not isinstance(value, list | tuple) or not value:
+        raise AdmissionError("payload.messages: must be a non-empty list of {role, content}")
+    if len(value) > MAX_MESSAGES:
+        raise AdmissionError(f"payload.messages: {len(value)} messages, at most {MAX_MESSAGES}")
+    messages = []
+    total = 0
+    for i, message in enumerate(value):
+        where = f"payload.messages[{i}]"
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            raise AdmissionError(f"{where}: must be a mapping with exactly 'role' and 'content'")
+        role, content = message["role"], message["content"]
+        if role not in ROLES:
+            raise AdmissionError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
+        if not isinstance(content, str):
+            raise AdmissionError(f"{where}.content: must be a string, got {type(content).__name__}")
+        total += len(content)
+        messages.append({"role": role, "content": content})
+    if total > rules.max_input_len * _MAX_CHARS_PER_TOKEN:
+        raise AdmissionError(f"payload.messages: {total} characters is too long")
+    return messages
+
+
+def _check_len(where: str, num_tokens: int, rules: AdmissionRules) -> None:
+    if num_tokens > rules.max_input_len:
+        raise AdmissionError(
+            f"{where}: {num_tokens} tokens, more than the {rules.max_input_len} this stage accepts "
+            f"(max_model_len {rules.max_model_len} less one output token)"
+        )

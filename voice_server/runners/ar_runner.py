@@ -1,0 +1,211 @@
+"""`DecoderRunner`: the torch side of an `ar` stage for a `LlamaForCausalLM` over a paged KV cache.
+
+One `execute` is one forward over the flat tokens of every sequence in the batch (prefill chunks
+and decode tokens together), then one vectorised sampling of the sequences that sample, then one
+`.tolist()` of the sampled ids: the only host sync of the step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM
+from voice_server.models.paged import AttentionContext, PagedKVCache, build_attention_context
+from voice_server.runners.admission import AdmissionRules, admit
+from voice_server.runners.detok import Detokenizer, token_bytes_table
+from voice_server.runners.sampler import Sampler
+from voice_server.runners.sizing import (
+    KVPlan,
+    activation_reserve_bytes,
+    min_invariant_rows,
+    plan_kv_cache,
+    weight_bytes,
+)
+from voice_server.scheduling import Runner, WorkItem
+from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SamplingParams, SeqOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecoderRunnerConfig:
+    budget_bytes: int
+    """Memory for weights, KV cache and activations."""
+    page_size: int = 16
+    max_model_len: int | None = None
+    """None: the model's max_position_embeddings (always capped by it and by the cache)."""
+    max_step_tokens: int = 512
+    """Most tokens one step computes (sizes the activation reserve)."""
+    max_num_seqs: int = 8
+    """Most sequences one step samples (sizes the logits part of the reserve)."""
+    sampling_defaults: SamplingParams = SamplingParams()
+    is_batch_invariant: bool = True
+    """Pad every step to the row count from which matrix products are row-independent, so a
+    sequence gives the same logits alone and in any batch (costs single-stream decode speed)."""
+    sampler_seed: int | None = None
+    """Seeds the generators of requests that give no seed (None: nondeterministic)."""
+
+    def __post_init__(self) -> None:
+        for name in ("budget_bytes", "page_size", "max_step_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecoderRunnerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            raise ValueError(f"DecoderRunnerConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+
+class DecoderRunner(Runner[ARBatch, ARResult]):
+    def __init__(self, model: LlamaForCausalLM, tokenizer: GGUFTokenizer | None, config: DecoderRunnerConfig) -> None:
+        cfg = model.config
+        if cfg.layer_types and "sliding_attention" in cfg.layer_types:
+            raise ValueError("DecoderRunner: sliding-window attention layers are not supported by the paged cache")
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        elem = param.element_size()
+        self.plan: KVPlan = plan_kv_cache(
+            budget_bytes=config.budget_bytes,
+            weight_bytes=weight_bytes(model),
+            reserve_bytes=activation_reserve_bytes(
+                config.max_step_tokens,
+                config.max_num_seqs,
+                cfg.hidden_size,
+                cfg.intermediate_size,
+                cfg.vocab_size,
+                elem,
+            ),
+            bytes_per_page=PagedKVCache.bytes_per_page(
+                cfg.num_hidden_layers, config.page_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+            ),
+            page_size=config.page_size,
+            max_model_len=min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings),
+        )
+        self.cache = PagedKVCache(
+            cfg.num_hidden_layers,
+            self.plan.num_pages,
+            config.page_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            self.dtype,
+            self.device,
+        )
+        eos = list(cfg.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+            eos.append(int(tokenizer.eos_token_id))
+        self.ar_spec = ARSpec(
+            num_pages=self.plan.num_pages,
+            page_size=config.page_size,
+            max_model_len=self.plan.max_model_len,
+            eos_token_ids=tuple(eos),
+        )
+        linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        self.min_rows = min_invariant_rows(linears) if config.is_batch_invariant else 1
+        self.rules = AdmissionRules(
+            vocab_size=cfg.vocab_size,
+            max_model_len=self.plan.max_model_len,
+            sampling_defaults=config.sampling_defaults,
+            encode=tokenizer.encode if tokenizer is not None else None,
+            encode_chat=tokenizer.encode_chat if tokenizer is not None else None,
+        )
+        self.sampler = Sampler(config.sampler_seed)
+        self.detok = Detokenizer(token_bytes_table(tokenizer.tokenizer)) if tokenizer is not None else None
+        model.rope_table(self.device, self.dtype)  # NOTE: built now, not inside the first request
+        log.info(
+            "KV cache: %d pages x %d tokens = %d tokens (%.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
+            "max_model_len %d, %d-row steps",
+            self.plan.num_pages,
+            self.plan.page_size,
+            self.plan.num_tokens,
+            self.plan.kv_bytes / 2**20,
+            self.plan.weight_bytes / 2**20,
+            self.plan.reserve_bytes / 2**20,
+            self.plan.max_model_len,
+            self.min_rows,
+        )
+
+    def admit(self, item: WorkItem) -> WorkItem:
+        return admit(item, self.rules)
+
+    def release(self, request_id: str) -> None:
+        self.sampler.release(request_id)
+        if self.detok is not None:
+            self.detok.release(request_id)
+
+    @torch.inference_mode()
+    def execute(self, batch: ARBatch) -> ARResult:
+        self._check(batch)
+        seqs = batch.seqs
+        num_tokens = batch.num_tokens
+        num_rows = max(num_tokens, self.min_rows)
+        ids: list[int] = [t for s in seqs for t in s.token_ids]
+        ids.extend([0] * (num_rows - num_tokens))
+        ctx, positions = build_attention_context(
+            self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], num_rows, self.device
+        )
+        sampling_rows: list[int] = []
+        last_row = -1
+        for seq in seqs:
+            last_row += len(seq.token_ids)
+            if seq.is_sampling:
+                sampling_rows.append(last_row)
+        if not sampling_rows:
+            self._forward(ids, positions, ctx, [0] * self.min_rows)
+            return ARResult(tuple(SeqOutput(None) for _ in seqs))
+        # NOTE: the lm_head is a matrix product too: pad its rows like the step's.
+        logits_rows = sampling_rows + [sampling_rows[-1]] * (self.min_rows - len(sampling_rows))
+        logits = self._forward(ids, positions, ctx, logits_rows)[: len(sampling_rows)]
+        sampling = [s for s in seqs if s.is_sampling]
+        sampled = self.sampler.sample(
+            logits,
+            [s.request_id for s in sampling],
+            [s.sampling for s in sampling],
+            [self._history(s.history, s.token_ids, s.sampling) for s in sampling],
+        ).tolist()
+        outputs = []
+        it = iter(sampled)
+        for seq in seqs:
+            if not seq.is_sampling:
+                outputs.append(SeqOutput(None))
+                continue
+            token = int(next(it))
+            text = self.detok.step(seq.request_id, token) if self.detok is not None else ""
+            outputs.append(SeqOutput(token, text))
+        return ARResult(tuple(outputs))
+
+    def _forward(
+        self, ids: list[int], positions: torch.Tensor, ctx: AttentionContext, logits_rows: list[int]
+    ) -> torch.Tensor:
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
+        return self.model.forward_paged(input_ids, positions, ctx, rows)
+
+    @staticmethod
+    def _history(history: Sequence[int], token_ids: Sequence[int], sampling: SamplingParams) -> Sequence[int]:
+        # NOTE: the scheduler sets history only when the penalty needs it; a sequence's own step
+        # tokens are always part of what it has seen.
+        if sampling.repetition_penalty == 1.0:
+            return ()
+        return history or token_ids
+
+    def _check(self, batch: ARBatch) -> None:
+        """Refuse a batch that would write outside the cache or past the model's positions."""
+        if not batch.seqs:
+            raise ValueError("ARBatch has no sequences")
+        ps, num_pages = self.config.page_size, self.plan.num_pages
+        for seq in batch.seqs:
+            end = seq.start_pos + len(seq.token_ids)
+            if not seq.token_ids or seq.start_pos < 0 or end > self.plan.max_model_len:
+                raise ValueError(
+                    f"request {seq.request_id}: positions [{seq.start_pos}, {end}) "
+                    f"outside [0, {self.plan.max_model_len}]"
+                )
+            if len(seq.page_ids) * ps < end:
+                raise ValueError(f"request {seq.request_id}: {len(seq.page_ids)} pages do not cover {end} positions")
+            if any(not 0 <= p < num_pages for p in seq.page_ids[: -(-end // ps)]):
+                raise ValueError(f"request {seq.request_id}: page id outside [0, {num_pages})")
