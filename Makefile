@@ -31,7 +31,7 @@ typecheck: install
 	$(VENV)/bin/mypy voice_server
 
 unit: install
-	OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 VOICE_SERVER_NO_SKIP=1 $(VENV)/bin/pytest -q -p no:cacheprovider
 
 test: lint typecheck unit
 

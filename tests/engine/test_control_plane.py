@@ -122,7 +122,8 @@ print(json.dumps(result))
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+@pytest.mark.environment
+@pytest.mark.skipif(os.getuid() != 0, reason="environment: needs root to act as another user")
 def test_another_user_cannot_reach_the_control_plane(ipc_pipeline: Pipeline) -> None:
     coordinator = ipc_pipeline.coordinator
     before = dropped(ipc_pipeline)

@@ -7,11 +7,10 @@ import socket
 import sys
 from pathlib import Path
 
-import pytest
+import torch
 
 from voice_server.relay import unpack
 
-torch = pytest.importorskip("torch")
 sys.path.insert(0, str(Path(__file__).parent))
 import relay_workers  # noqa: E402
 

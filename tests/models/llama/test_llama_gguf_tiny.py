@@ -9,16 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
-
-from voice_server.models.llama import load_llama  # noqa: E402
-from voice_server.models.llama.gguf_file import GGUFFile  # noqa: E402
-from voice_server.models.llama.gguf_weights import gguf_to_hf_name, unpermute_qk  # noqa: E402
+from voice_server.models.llama import load_llama
+from voice_server.models.llama.gguf_file import GGUFFile
+from voice_server.models.llama.gguf_weights import gguf_to_hf_name, unpermute_qk
 
 torch.set_num_threads(1)
 
@@ -124,8 +123,7 @@ def _write_gguf(model: Any, arch: str, path: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_matches_transformers(arch: str, tmp_path: Path) -> None:
-    # NOTE: transformers refuses `from_pretrained(gguf_file=...)` without accelerate.
-    pytest.importorskip("accelerate")
+    # NOTE: transformers refuses `from_pretrained(gguf_file=...)` without accelerate (a dev dependency).
     path = tmp_path / f"tiny-{arch}.gguf"
     stored = _write_gguf(_hf_model(arch), arch, path)
     ours = load_llama(path)

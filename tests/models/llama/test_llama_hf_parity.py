@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from voice_server.models.llama import LlamaForCausalLM, load_llama  # noqa: E402
-from voice_server.models.llama.loader import read_hf_config  # noqa: E402
+from voice_server.models.llama import LlamaForCausalLM, load_llama
+from voice_server.models.llama.loader import read_hf_config
 
 torch.set_num_threads(1)
 

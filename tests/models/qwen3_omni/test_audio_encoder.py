@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder, conv_output_lengths, num_audio_tokens
-from voice_server.models.qwen3_omni.thinker.config import AudioEncoderConfig
-
-pytest.importorskip("transformers")
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (  # noqa: E402
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoderConfig,
 )
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
     _get_feat_extract_output_lengths,
 )
+
+from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder, conv_output_lengths, num_audio_tokens
+from voice_server.models.qwen3_omni.thinker.config import AudioEncoderConfig
 
 torch.set_num_threads(1)
 

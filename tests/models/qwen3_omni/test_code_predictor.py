@@ -4,19 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerCodePredictorConfig,
+)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
+)
 
 from voice_server.models.qwen3_omni.presets import tiny_config_dict
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
 from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
 from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_tokens
-
-pytest.importorskip("transformers")
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeTalkerCodePredictorConfig,
-)
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration,
-)
 
 torch.set_num_threads(1)
 ATOL = 1e-4

@@ -7,11 +7,10 @@ import math
 import numpy as np
 import pytest
 import torch
+import transformers
+from transformers import audio_utils
 
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd, mel_filter_bank, pcm16_to_float
-
-transformers = pytest.importorskip("transformers")
-audio_utils = pytest.importorskip("transformers.audio_utils")
 
 SR = 16000
 

@@ -7,20 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers.cache_utils import DynamicCache
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerConfig,
+)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeTalkerForConditionalGeneration,
+)
 
 from voice_server.models.layers import KVCache
 from voice_server.models.qwen3_omni.presets import TINY_CODEBOOK, TINY_NUM_CODE_GROUPS, tiny_config_dict
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
 from voice_server.models.qwen3_omni.talker.model import Talker
-
-pytest.importorskip("transformers")
-from transformers.cache_utils import DynamicCache  # noqa: E402
-from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeTalkerConfig,
-)
-from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (  # noqa: E402
-    Qwen3OmniMoeTalkerForConditionalGeneration,
-)
 
 torch.set_num_threads(1)
 ATOL = 1e-4

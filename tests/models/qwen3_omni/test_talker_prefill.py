@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
 from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
@@ -21,9 +22,6 @@ from voice_server.models.qwen3_omni.talker.generate import generate_frames
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
-
-pytest.importorskip("transformers")
-from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration  # noqa: E402
 
 torch.set_num_threads(1)
 ATOL = 1e-4

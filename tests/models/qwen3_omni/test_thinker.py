@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from voice_server.models.layers import KVCache
 from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
@@ -11,8 +12,6 @@ from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict, t
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.thinker.rope import decode_position_ids, get_rope_index
-
-transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 TOL = 1e-4

@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
 from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict, tiny_prompt_ids
 from voice_server.models.qwen3_omni.turn import TurnModels, load_turn_models, run_greedy_turn
-
-transformers = pytest.importorskip("transformers")
 
 torch.set_num_threads(1)
 MAX_NEW_TOKENS = 6

@@ -12,7 +12,10 @@ from torch import nn
 
 from voice_server.models.qwen3_omni.code2wav.config import Code2WavConfig
 from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.presets import tiny_config_dict
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.weights import INDEX_FILE, build_on_meta, init_dummy_weights, load_weights
 
 torch.set_num_threads(1)
@@ -146,12 +149,6 @@ def test_dummy_weights_deterministic_and_sensible() -> None:
 
 @pytest.mark.parametrize("part", ["thinker", "talker"])
 def test_our_thinker_and_talker_load_bitwise(hf_model: nn.Module, ckpt: Path, part: str) -> None:
-    try:
-        from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
-        from voice_server.models.qwen3_omni.talker.model import Talker
-        from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
-    except ImportError as exc:  # teammates' modules land in parallel
-        pytest.skip(f"thinker/talker modules not importable yet: {exc}")
     cfg = Qwen3OmniConfig.from_hf_dict(tiny_config_dict())
     model: nn.Module = build_on_meta(ThinkerModel, cfg.thinker) if part == "thinker" else \
         build_on_meta(Talker, cfg.talker)

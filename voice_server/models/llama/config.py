@@ -11,6 +11,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from voice_server.models.hf_config import HFSection, as_section, check_positive, read_head_dim, read_rope
+
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -50,19 +52,10 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {value!r}")
+        check_positive(
+            self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", integer=True,
+        )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"LlamaConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -70,10 +63,7 @@ class LlamaConfig:
             )
         if self.head_dim % 2 != 0:
             raise ValueError(f"LlamaConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        if self.rms_norm_eps <= 0:
-            raise ValueError(f"LlamaConfig.rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if self.rope_theta <= 0:
-            raise ValueError(f"LlamaConfig.rope_theta must be > 0, got {self.rope_theta}")
+        check_positive(self, "rms_norm_eps", "rope_theta")
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"LlamaConfig.rope_type={self.rope_type!r} is not one of {SUPPORTED_ROPE_TYPES}")
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -103,52 +93,46 @@ class LlamaConfig:
         return None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> LlamaConfig:
-        """From a parsed `config.json` of model_type llama, qwen2 or qwen3."""
-        model_type = d.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"config.json model_type={model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"config.json hidden_act={hidden_act!r} is not supported (only 'silu')")
-        num_heads = int(d["num_attention_heads"])
-        head_dim = d.get("head_dim") or int(d["hidden_size"]) // num_heads
-        # NOTE: transformers 5 writes RoPE settings under `rope_parameters`; older files use
-        # `rope_theta` plus an optional `rope_scaling` dict.
-        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-        max_pos = int(d.get("max_position_embeddings", 2048))
-        is_bias = bool(d.get("attention_bias", False))
-        use_sliding = bool(d.get("use_sliding_window", False))
-        layer_types = tuple(d.get("layer_types") or ()) if use_sliding else ()
-        eos = d.get("eos_token_id")
-        eos_ids = () if eos is None else (tuple(eos) if isinstance(eos, list) else (int(eos),))
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> LlamaConfig:
+        """From a parsed `config.json` of model_type llama, qwen2 or qwen3 (rules: `models/hf_config.py`)."""
+        s = as_section(d, "")
+        model_type = s.read_str("model_type", choices=SUPPORTED_MODEL_TYPES)
+        s.read_str("hidden_act", "silu", choices=("silu",))
+        hidden_size = s.read_int("hidden_size", positive=True)
+        num_heads = s.read_int("num_attention_heads", positive=True)
+        max_pos = s.read_int("max_position_embeddings", 2048, positive=True)
+        rope = read_rope(s, 10000.0, rope_types=SUPPORTED_ROPE_TYPES)
+        is_bias = s.read_bool("attention_bias", False)
+        use_sliding = s.read_bool("use_sliding_window", False)
+        eos = s.d.get("eos_token_id")
+        eos_ids = s.read_int_tuple("eos_token_id") if isinstance(eos, list) else (
+            () if eos is None else (s.read_int("eos_token_id"),)
+        )
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=s.read_int("vocab_size", positive=True),
+            hidden_size=hidden_size,
+            intermediate_size=s.read_int("intermediate_size", positive=True),
+            num_hidden_layers=s.read_int("num_hidden_layers", positive=True),
             num_attention_heads=num_heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or num_heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            num_key_value_heads=s.read_int("num_key_value_heads", num_heads, positive=True),
+            head_dim=read_head_dim(s, hidden_size, num_heads),
+            rms_norm_eps=s.read_float("rms_norm_eps", 1e-6, positive=True),
+            rope_theta=rope.theta,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            tie_word_embeddings=s.read_bool("tie_word_embeddings", False),
             attention_bias=True if model_type == "qwen2" else is_bias,
             attention_out_bias=False if model_type == "qwen2" else is_bias,
-            mlp_bias=bool(d.get("mlp_bias", False)),
+            mlp_bias=s.read_bool("mlp_bias", False),
             qk_norm=model_type == "qwen3",
-            sliding_window=d.get("sliding_window") if use_sliding else None,
-            layer_types=layer_types,
-            rope_type=str(rope_type),
-            rope_factor=float(rope.get("factor", 1.0)),
-            rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-            rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-            rope_original_max_position_embeddings=int(rope.get("original_max_position_embeddings", max_pos)),
+            sliding_window=s.read_opt_int("sliding_window", positive=True) if use_sliding else None,
+            layer_types=s.read_str_tuple("layer_types", ()) if use_sliding else (),
+            rope_type=rope.rope_type,
+            rope_factor=rope.params.read_float("factor", 1.0),
+            rope_low_freq_factor=rope.params.read_float("low_freq_factor", 1.0),
+            rope_high_freq_factor=rope.params.read_float("high_freq_factor", 4.0),
+            rope_original_max_position_embeddings=rope.params.read_int("original_max_position_embeddings", max_pos),
             model_type=model_type,
-            bos_token_id=d.get("bos_token_id"),
+            bos_token_id=s.read_opt_int("bos_token_id"),
             eos_token_ids=eos_ids,
         )
 

@@ -23,6 +23,7 @@ from voice_server.models.layers import (
 )
 from voice_server.models.llama.config import LlamaConfig
 from voice_server.models.paged import AttentionContext
+from voice_server.models.shapes import expect_shapes
 
 
 def llama_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
@@ -155,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         The cache must hold exactly the tokens before these (positions are not checked against it);
         `extra_mask` (bool [B, 1, L, Lk], True = attend) is ANDed with the causal mask.
         """
+        expect_shapes(("input_ids", input_ids, "[B, L]", torch.long), ("positions", positions, "[B, L]", torch.long))
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope_cos_sin(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):

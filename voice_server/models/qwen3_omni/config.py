@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from voice_server.models.hf_config import HFSection
 from voice_server.models.qwen3_omni.code2wav.config import Code2WavConfig
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
-from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig, pick_fields
+from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
 
 # The released `talker_config` block (sizes and ids); the given dict overrides it key by key.
 RELEASED_TALKER_CONFIG: dict[str, Any] = {
@@ -93,17 +94,18 @@ class Qwen3OmniConfig:
             )
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> Qwen3OmniConfig:
-        """`d` is the checkpoint's config.json (model_type qwen3_omni_moe)."""
-        model_type = d.get("model_type", "qwen3_omni_moe")
-        if model_type != "qwen3_omni_moe":
-            raise ValueError(f"Qwen3OmniConfig: model_type {model_type!r} is not 'qwen3_omni_moe'")
-        top = {k: v for k, v in pick_fields(cls, d).items() if k not in ("thinker", "talker", "code2wav")}
+    def from_hf_dict(cls, d: dict[str, Any], where: str = "config.json") -> Qwen3OmniConfig:
+        """`d` is the checkpoint's config.json (model_type qwen3_omni_moe); `where` names it in errors."""
+        s = HFSection(d, where)
+        s.read_str("model_type", "qwen3_omni_moe", choices=("qwen3_omni_moe",))
+        talker = s.sub("talker_config")
         return cls(
-            thinker=ThinkerConfig.from_hf_dict(d.get("thinker_config") or {}),
-            talker=TalkerConfig.from_hf_dict(_merge_under(RELEASED_TALKER_CONFIG, d.get("talker_config") or {})),
-            code2wav=Code2WavConfig.from_hf_dict(d.get("code2wav_config") or {}),
-            **top,
+            thinker=ThinkerConfig.from_hf_dict(s.sub("thinker_config")),
+            talker=TalkerConfig.from_hf_dict(
+                HFSection(_merge_under(RELEASED_TALKER_CONFIG, dict(talker.d)), talker.file, talker.path)
+            ),
+            code2wav=Code2WavConfig.from_hf_dict(s.sub("code2wav_config")),
+            **s.read_fields(cls, exclude=("thinker", "talker", "code2wav")),
         )
 
     @classmethod
@@ -112,4 +114,4 @@ class Qwen3OmniConfig:
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        return cls.from_hf_dict(json.loads(path.read_text()), str(path))

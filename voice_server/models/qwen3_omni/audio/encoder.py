@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voice_server.models.qwen3_omni.thinker.config import AudioEncoderConfig
+from voice_server.models.shapes import FLOATING, INTEGER, expect_shapes
 
 
 def conv_output_lengths(num_frames: torch.Tensor, n_window: int = 50) -> torch.Tensor:
@@ -117,6 +118,10 @@ class AudioEncoder(nn.Module):
     def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
         """input_features [num_mel_bins, sum(feature_lens)] (clips packed along time, see
         `MelFeatures.packed`), feature_lens [num_clips] -> audio tokens [sum(num_audio_tokens), output_dim]."""
+        expect_shapes(
+            ("input_features", input_features, "[num_mel_bins, T]", FLOATING),
+            ("feature_lens", feature_lens, "[num_clips]", INTEGER), dims={"num_mel_bins": self.cfg.num_mel_bins},
+        )
         if input_features.shape[1] != int(feature_lens.sum()):
             raise ValueError(
                 f"input_features has {input_features.shape[1]} frames but feature_lens sum to {int(feature_lens.sum())}"

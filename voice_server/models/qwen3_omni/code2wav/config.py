@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+from voice_server.models.hf_config import HFSection, as_section, check_positive, read_rope
 
 
 @dataclass(frozen=True)
@@ -31,11 +34,9 @@ class Code2WavConfig:
     sample_rate: int = 24000
 
     def __post_init__(self) -> None:
-        for name in ("codebook_size", "num_quantizers", "hidden_size", "intermediate_size",
-                     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "sliding_window",
-                     "decoder_dim", "sample_rate"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"Code2WavConfig.{name} must be >= 1, got {getattr(self, name)}")
+        check_positive(self, "codebook_size", "num_quantizers", "hidden_size", "intermediate_size",
+                       "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "sliding_window",
+                       "decoder_dim", "sample_rate")
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"Code2WavConfig.hidden_size={self.hidden_size} is not a multiple of "
                              f"num_attention_heads={self.num_attention_heads}")
@@ -52,8 +53,7 @@ class Code2WavConfig:
         if self.decoder_dim % 2 ** len(self.upsample_rates) != 0:
             raise ValueError(f"Code2WavConfig.decoder_dim={self.decoder_dim} must be divisible by "
                              f"2**len(upsample_rates)={2 ** len(self.upsample_rates)}")
-        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
-            raise ValueError("Code2WavConfig.rope_theta and rms_norm_eps must be > 0")
+        check_positive(self, "rope_theta", "rms_norm_eps")
 
     @property
     def head_dim(self) -> int:
@@ -65,17 +65,10 @@ class Code2WavConfig:
         return math.prod(self.upsample_rates) * math.prod(self.upsampling_ratios)
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> Code2WavConfig:
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> Code2WavConfig:
         """Build from the HF `code2wav_config` dict; unknown keys are ignored, missing ones take the
         released model's values (which are also the HF class defaults)."""
-        known = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {k: v for k, v in d.items() if k in known}
-        rope = d.get("rope_parameters") or {}
-        if "rope_theta" in rope:
-            kwargs["rope_theta"] = float(rope["rope_theta"])
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"code2wav rope_parameters.rope_type={rope['rope_type']!r}: only 'default'")
-        for name in ("upsample_rates", "upsampling_ratios"):
-            if name in kwargs:
-                kwargs[name] = tuple(int(r) for r in kwargs[name])
+        s = as_section(d, "code2wav_config")
+        kwargs = s.read_fields(cls)
+        kwargs["rope_theta"] = read_rope(s, cls.rope_theta).theta
         return cls(**kwargs)

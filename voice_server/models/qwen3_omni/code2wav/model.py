@@ -34,6 +34,7 @@ from voice_server.models.qwen3_omni.code2wav.streaming import (
     earliest_input,
     new_stream_state,
 )
+from voice_server.models.shapes import expect_shape
 
 
 class LayerScale(nn.Module):
@@ -156,6 +157,7 @@ class Code2Wav(nn.Module):
     def forward(self, codes: torch.Tensor, keep_tail: bool = False) -> torch.Tensor:
         """Full-sequence decode, codes [B, G, T] -> PCM [B, 1, T * total_upsample - lookahead] exactly
         like the reference; `keep_tail` appends the trailing lookahead samples the reference drops."""
+        expect_shape("codes", codes, "[B, G, T]", torch.long, {"G": self.cfg.num_quantizers})
         hidden = self.pre_transformer(self.embed(codes))
         return self.decode_hidden(hidden.transpose(1, 2), keep_tail)[:, None]
 

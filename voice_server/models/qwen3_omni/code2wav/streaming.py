@@ -32,6 +32,7 @@ import torch
 from voice_server.models.layers import KVCache
 from voice_server.models.qwen3_omni.code2wav.config import Code2WavConfig
 from voice_server.models.qwen3_omni.code2wav.convs import RESIDUAL_DILATIONS
+from voice_server.models.shapes import expect_shape
 
 if TYPE_CHECKING:
     from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
@@ -132,8 +133,7 @@ def decode_chunk(
     """
     if state.is_finished:
         raise RuntimeError("decode_chunk called on a finished stream (is_last was already set)")
-    if codes.ndim != 3 or codes.shape[0] != state.batch_size:
-        raise ValueError(f"codes must be [{state.batch_size}, G, T], got {tuple(codes.shape)}")
+    expect_shape("codes", codes, "[B, G, T]", torch.long, {"B": state.batch_size, "G": model.cfg.num_quantizers})
     upsample = model.total_upsample
     window = state.hidden_context
     if codes.shape[-1] > 0:

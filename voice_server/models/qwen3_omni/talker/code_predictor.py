@@ -23,6 +23,7 @@ from voice_server.models.layers import (
 )
 from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
 from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_tokens
+from voice_server.models.shapes import FLOATING, expect_shapes
 
 
 def create_decoder_layer(cfg: CodePredictorConfig, layer_idx: int) -> DecoderLayer:
@@ -54,6 +55,10 @@ class CodePredictorModel(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """inputs_embeds [B, L, H], positions [B, L] -> post-norm hidden [B, L, H]."""
+        expect_shapes(
+            ("inputs_embeds", inputs_embeds, "[B, L, H]", FLOATING), ("positions", positions, "[B, L]", torch.long),
+            dims={"H": self.cfg.hidden_size},
+        )
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         return self.run_layers(inputs_embeds, cos, sin, kv_cache)
 
@@ -91,6 +96,10 @@ class CodePredictor(nn.Module):
         """Codes 1..G-1 of one frame from the talker's last post-norm hidden [B, H] and
         talker.codec_embedding(code0) [B, H], with a fresh KV cache: a 2-position prefill scored by
         lm_head[0], then G-2 single-position steps feeding codec_embedding[k-1](code k) into lm_head[k]."""
+        expect_shapes(
+            ("talker_hidden", talker_hidden, "[B, H]", FLOATING), ("code0_embed", code0_embed, "[B, H]", FLOATING),
+            dims={"H": self.cfg.hidden_size},
+        )
         params = params or SamplingParams()
         bsz = talker_hidden.shape[0]
         kv_cache = KVCache(len(self.model.layers))

@@ -2,32 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from voice_server.models.hf_config import HFSection, as_section, check_positive, read_head_dim, read_rope
+
 # NOTE: the transformers config classes carry defaults that do not match the released model
-# (e.g. num_code_groups 32 vs 16, codec ids 4196.. vs 2148..), so every value is read from the dict.
-
-
-def _rope_params(d: dict[str, Any]) -> dict[str, Any]:
-    # transformers 5.x writes `rope_parameters`; released config.json files use `rope_scaling` + `rope_theta`.
-    rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    rope.setdefault("rope_theta", d.get("rope_theta", 10000.0))
-    return rope
-
-
-def _mrope_section(rope: dict[str, Any]) -> tuple[int, int, int]:
-    section = [int(x) for x in rope.get("mrope_section", (24, 20, 20))]
-    if len(section) != 3:
-        raise ValueError(f"TalkerConfig.mrope_section must have 3 entries (t, h, w), got {section}")
-    return (section[0], section[1], section[2])
-
-
-def _check_positive(obj: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value <= 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be positive, got {value}")
+# (e.g. num_code_groups 32 vs 16, codec ids 4196.. vs 2148..), so every size and id is a required
+# field here (`Qwen3OmniConfig` merges the released talker block under the given one).
 
 
 def _check_act(obj: object, hidden_act: str) -> None:
@@ -55,8 +38,8 @@ class CodePredictorConfig:
     layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "num_key_value_heads", "head_dim"))
+        check_positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim")
         _check_act(self, self.hidden_act)
         if self.num_code_groups < 2:
             raise ValueError(f"CodePredictorConfig.num_code_groups must be >= 2, got {self.num_code_groups}")
@@ -71,22 +54,24 @@ class CodePredictorConfig:
         return None
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> CodePredictorConfig:
-        heads = int(d["num_attention_heads"])
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> CodePredictorConfig:
+        s = as_section(d, "talker_config.code_predictor_config")
+        hidden_size = s.read_int("hidden_size", positive=True)
+        heads = s.read_int("num_attention_heads", positive=True)
         return cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=s.read_int("vocab_size", positive=True),
+            hidden_size=hidden_size,
+            intermediate_size=s.read_int("intermediate_size", positive=True),
+            num_hidden_layers=s.read_int("num_hidden_layers", positive=True),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or d["hidden_size"] // heads),
-            num_code_groups=int(d["num_code_groups"]),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_params(d)["rope_theta"]),
-            hidden_act=str(d.get("hidden_act", "silu")),
-            sliding_window=d.get("sliding_window"),
-            layer_types=tuple(d.get("layer_types") or ()),
+            num_key_value_heads=s.read_int("num_key_value_heads", heads, positive=True),
+            head_dim=read_head_dim(s, hidden_size, heads),
+            num_code_groups=s.read_int("num_code_groups"),
+            rms_norm_eps=s.read_float("rms_norm_eps", 1e-6),
+            rope_theta=read_rope(s, 10000.0).theta,
+            hidden_act=s.read_str("hidden_act", "silu"),
+            sliding_window=s.read_opt_int("sliding_window"),
+            layer_types=s.read_str_tuple("layer_types", ()),
         )
 
 
@@ -126,10 +111,10 @@ class TalkerConfig:
     video_token_id: int = 151656
 
     def __post_init__(self) -> None:
-        _check_positive(self, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads", "num_key_value_heads", "head_dim",
-                               "moe_intermediate_size", "num_experts", "num_experts_per_tok",
-                               "shared_expert_intermediate_size", "thinker_hidden_size"))
+        check_positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
+                       "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
+                       "thinker_hidden_size")
         _check_act(self, self.hidden_act)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("TalkerConfig.num_attention_heads must be a multiple of num_key_value_heads")
@@ -157,42 +142,52 @@ class TalkerConfig:
         raise ValueError(f"unknown speaker {speaker!r}; known: {[n for n, _ in self.speaker_ids]}")
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> TalkerConfig:
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> TalkerConfig:
         """`d` is the checkpoint's `talker_config` dict (with `text_config`, `code_predictor_config`)."""
-        text = d["text_config"]
-        heads = int(text["num_attention_heads"])
-        rope = _rope_params(text)
-        num_experts = text.get("num_experts", text.get("num_local_experts"))
+        s = as_section(d, "talker_config")
+        if not s.has("text_config"):
+            raise s.error("text_config", "is required")
+        text = s.sub("text_config")
+        hidden_size = text.read_int("hidden_size", positive=True)
+        heads = text.read_int("num_attention_heads", positive=True)
+        rope = read_rope(text, 10000.0, rope_types=("default", "mrope"))
+        if not s.has("code_predictor_config"):
+            raise s.error("code_predictor_config", "is required")
         return cls(
-            vocab_size=int(text["vocab_size"]),
-            hidden_size=int(text["hidden_size"]),
-            intermediate_size=int(text["intermediate_size"]),
-            num_hidden_layers=int(text["num_hidden_layers"]),
+            vocab_size=text.read_int("vocab_size", positive=True),
+            hidden_size=hidden_size,
+            intermediate_size=text.read_int("intermediate_size", positive=True),
+            num_hidden_layers=text.read_int("num_hidden_layers", positive=True),
             num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or text["hidden_size"] // heads),
-            moe_intermediate_size=int(text["moe_intermediate_size"]),
-            num_experts=int(num_experts),
-            num_experts_per_tok=int(text["num_experts_per_tok"]),
-            shared_expert_intermediate_size=int(text["shared_expert_intermediate_size"]),
-            thinker_hidden_size=int(d["thinker_hidden_size"]),
-            num_code_groups=int(d["num_code_groups"]),
-            accept_hidden_layer=int(d["accept_hidden_layer"]),
-            codec_eos_token_id=int(d["codec_eos_token_id"]),
-            codec_pad_id=int(d["codec_pad_id"]),
-            codec_bos_id=int(d["codec_bos_id"]),
-            codec_nothink_id=int(d["codec_nothink_id"]),
-            codec_think_bos_id=int(d["codec_think_bos_id"]),
-            codec_think_eos_id=int(d["codec_think_eos_id"]),
-            code_predictor=CodePredictorConfig.from_hf_dict(d["code_predictor_config"]),
+            num_key_value_heads=text.read_int("num_key_value_heads", heads, positive=True),
+            head_dim=read_head_dim(text, hidden_size, heads),
+            moe_intermediate_size=text.read_int("moe_intermediate_size", positive=True),
+            num_experts=text.read_int("num_experts", positive=True, aliases=("num_local_experts",)),
+            num_experts_per_tok=text.read_int("num_experts_per_tok", positive=True),
+            shared_expert_intermediate_size=text.read_int("shared_expert_intermediate_size", positive=True),
+            thinker_hidden_size=s.read_int("thinker_hidden_size", positive=True),
+            num_code_groups=s.read_int("num_code_groups"),
+            accept_hidden_layer=s.read_int("accept_hidden_layer"),
+            codec_eos_token_id=s.read_int("codec_eos_token_id"),
+            codec_pad_id=s.read_int("codec_pad_id"),
+            codec_bos_id=s.read_int("codec_bos_id"),
+            codec_nothink_id=s.read_int("codec_nothink_id"),
+            codec_think_bos_id=s.read_int("codec_think_bos_id"),
+            codec_think_eos_id=s.read_int("codec_think_eos_id"),
+            code_predictor=CodePredictorConfig.from_hf_dict(s.sub("code_predictor_config")),
             # NOTE: the HF class default is False, but the released config sets it; read, never assume.
-            is_norm_topk_prob=bool(text.get("norm_topk_prob", False)),
-            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope["rope_theta"]),
-            mrope_section=_mrope_section(rope),
-            hidden_act=str(text.get("hidden_act", "silu")),
-            speaker_ids=tuple(sorted((str(k).lower(), int(v)) for k, v in (d.get("speaker_id") or {}).items())),
-            audio_token_id=int(d.get("audio_token_id", 151646)),
-            image_token_id=int(d.get("image_token_id", 151655)),
-            video_token_id=int(d.get("video_token_id", 151656)),
+            is_norm_topk_prob=text.read_bool("norm_topk_prob", False),
+            rms_norm_eps=text.read_float("rms_norm_eps", 1e-6),
+            rope_theta=rope.theta,
+            mrope_section=_mrope_section(rope.params),
+            hidden_act=text.read_str("hidden_act", "silu"),
+            speaker_ids=tuple(sorted((k.lower(), v) for k, v in s.read_int_map("speaker_id", {}).items())),
+            audio_token_id=s.read_int("audio_token_id", 151646),
+            image_token_id=s.read_int("image_token_id", 151655),
+            video_token_id=s.read_int("video_token_id", 151656),
         )
+
+
+def _mrope_section(rope_params: HFSection) -> tuple[int, int, int]:
+    a, b, c = rope_params.read_int_tuple("mrope_section", (24, 20, 20), length=3)
+    return (a, b, c)

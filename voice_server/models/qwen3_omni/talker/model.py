@@ -22,6 +22,7 @@ from voice_server.models.qwen3_omni.talker.sampling import (
     apply_repetition_penalty,
     select_tokens,
 )
+from voice_server.models.shapes import FLOATING, expect_shapes
 
 
 def create_decoder_layer(cfg: TalkerConfig) -> DecoderLayer:
@@ -54,6 +55,11 @@ class TalkerModel(nn.Module):
     ) -> torch.Tensor:
         """inputs_embeds [B, L, H]; positions [B, L] or [3, B, L] (t, h, w); key_mask [B, Lk] bool
         (False = left padding) -> post-norm hidden [B, L, H]."""
+        expect_shapes(
+            ("inputs_embeds", inputs_embeds, "[B, L, H]", FLOATING),
+            ("positions", positions, "[B, L] | [3, B, L]", torch.long), ("key_mask", key_mask, "[B, Lk]", torch.bool),
+            dims={"H": self.codec_embedding.embedding_dim},
+        )
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
         mask = None if key_mask is None else key_mask[:, None, None, :]
         x = inputs_embeds
@@ -147,6 +153,10 @@ class Talker(nn.Module):
         `code0_seen` [B, V] bool carries the repetition-penalty history across steps (updated in place).
         NOTE: a row whose code 0 is codec EOS has ended; HF never fills that frame, so the caller drops it.
         """
+        expect_shapes(
+            ("inputs_embeds", inputs_embeds, "[B, L, H]", FLOATING),
+            ("text_vec", text_vec, "[B, H] | [B, 1, H]", FLOATING), dims={"H": self.cfg.hidden_size},
+        )
         sampling = sampling or TalkerSampling()
         last_hidden = self.model(inputs_embeds, positions, kv_cache, key_mask)[:, -1]
         last_logits = self.codec_head(last_hidden)

@@ -2,28 +2,17 @@
 
 Field defaults are the RELEASED Qwen3-Omni-30B-A3B values, not transformers' class defaults (which are
 Qwen2.5-Omni leftovers: e.g. `position_id_per_seconds` 25 vs 13, audio `output_dim` 3584 vs 2048).
-`from_hf_dict` takes the matching sub-dict of config.json; a missing (or null) key keeps the default.
+`from_hf_dict` takes the matching sub-dict of config.json; a missing (or null) key keeps the default
+(the reading rules are in `voice_server/models/hf_config.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
-_C = TypeVar("_C")
-
-
-def pick_fields(cls: type[_C], d: dict[str, Any]) -> dict[str, Any]:
-    """The entries of `d` that name a field of dataclass `cls` and are not None (lists become tuples)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k in names and v is not None}
-
-
-def check_positive(obj: object, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value <= 0:
-            raise ValueError(f"{type(obj).__name__}.{name} must be > 0, got {value}")
+from voice_server.models.hf_config import HFSection, as_section, check_positive, read_head_dim, read_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +48,8 @@ class AudioEncoderConfig:
             raise ValueError(f"AudioEncoderConfig.activation_function must be 'gelu', got {self.activation_function!r}")
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> AudioEncoderConfig:
-        return cls(**pick_fields(cls, d))
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> AudioEncoderConfig:
+        return cls(**as_section(d, "thinker_config.audio_config").read_fields(cls))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,22 +101,17 @@ class ThinkerTextConfig:
         )
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ThinkerTextConfig:
-        kw = pick_fields(cls, d)
-        # NOTE: transformers 5 nests rope settings in `rope_parameters`; released 4.x configs use
-        # top-level `rope_theta` plus `rope_scaling`.
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "mrope"):
-            raise ValueError(f"ThinkerTextConfig: rope_type {rope_type!r} is not supported (only 'default')")
-        if "rope_theta" in rope:
-            kw["rope_theta"] = float(rope["rope_theta"])
-        if "mrope_section" in rope:
-            kw["mrope_section"] = tuple(rope["mrope_section"])
-        if "head_dim" not in kw and ("hidden_size" in kw or "num_attention_heads" in kw):
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> ThinkerTextConfig:
+        s = as_section(d, "thinker_config.text_config")
+        kw = s.read_fields(cls)
+        rope = read_rope(s, cls.rope_theta, rope_types=("default", "mrope"))
+        kw["rope_theta"] = rope.theta
+        if rope.mrope_section is not None:
+            kw["mrope_section"] = rope.mrope_section
+        if s.has("hidden_size") or s.has("num_attention_heads"):
             # NOTE: HF derives a missing head_dim; only a config without any size keeps the released 128.
-            kw["head_dim"] = kw.get("hidden_size", cls.hidden_size) // kw.get(
-                "num_attention_heads", cls.num_attention_heads
+            kw["head_dim"] = read_head_dim(
+                s, kw.get("hidden_size", cls.hidden_size), kw.get("num_attention_heads", cls.num_attention_heads)
             )
         return cls(**kw)
 
@@ -156,10 +140,10 @@ class ThinkerConfig:
             raise ValueError(f"ThinkerConfig.audio_token_id={self.audio_token_id} is outside the vocabulary")
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> ThinkerConfig:
-        kw = {k: v for k, v in pick_fields(cls, d).items() if k not in ("audio", "text")}
+    def from_hf_dict(cls, d: Mapping[str, Any] | HFSection) -> ThinkerConfig:
+        s = as_section(d, "thinker_config")
         return cls(
-            audio=AudioEncoderConfig.from_hf_dict(d.get("audio_config") or {}),
-            text=ThinkerTextConfig.from_hf_dict(d.get("text_config") or {}),
-            **kw,
+            audio=AudioEncoderConfig.from_hf_dict(s.sub("audio_config")),
+            text=ThinkerTextConfig.from_hf_dict(s.sub("text_config")),
+            **s.read_fields(cls, exclude=("audio", "text")),
         )

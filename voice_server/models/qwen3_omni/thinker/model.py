@@ -19,6 +19,7 @@ from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.mrope import MRoPE
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig, ThinkerTextConfig
+from voice_server.models.shapes import FLOATING, expect_shapes
 
 
 @dataclass
@@ -114,6 +115,11 @@ class ThinkerModel(nn.Module):
         k returns the output of decoder layer k - 1 (k = 0: the embeddings; k = num_layers: post-norm,
         as HF's recorded hidden states); `inputs_embeds` overrides the embedding lookup.
         """
+        expect_shapes(
+            ("input_ids", input_ids, "[B, L]", torch.long), ("position_ids", position_ids, "[3, B, L]", torch.long),
+            ("inputs_embeds", inputs_embeds, "[B, L, H]", FLOATING), ("audio_embeds", audio_embeds, "[N, H]", FLOATING),
+            ("attention_mask", attention_mask, "[B, Lk]", None), dims={"H": self.cfg.text.hidden_size},
+        )
         text = self.model.language_model
         num_layers = len(text.layers)
         if accept_hidden_layer is not None and not 0 <= accept_hidden_layer <= num_layers:
