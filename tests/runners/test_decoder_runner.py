@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 import torch
 from ar_batches import Request, run
+from reference_greedy import greedy_contiguous
 
 from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import ConfigError
 from voice_server.engine.runtime import StageContext
-from voice_server.models.llama import LlamaConfig, generate_greedy, load_llama
+from voice_server.models.llama import LlamaConfig, load_llama
 from voice_server.models.paged import PagedKVCache, build_attention_context
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
 from voice_server.runners.sizing import min_invariant_rows, plan_kv_cache
@@ -73,7 +74,7 @@ def test_paged_forward_equals_contiguous(model: Any) -> None:
 
 def test_greedy_matches_generate_greedy_batched_and_chunked(model: Any, runner: DecoderRunner) -> None:
     prompts = _prompts(6)
-    ref = {rid: generate_greedy(model, p, 10) for rid, p in prompts.items()}
+    ref = {rid: greedy_contiguous(model, p, 10) for rid, p in prompts.items()}
     requests = {rid: Request(p, max_new_tokens=10, start_step=i) for i, (rid, p) in enumerate(prompts.items())}
     out = run(runner, requests)
     assert {rid: r.output for rid, r in out.items()} == ref

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -20,7 +19,7 @@ def _logits(num_rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def test_repetition_penalty_matches_hf() -> None:
-    generation = pytest.importorskip("transformers.generation.logits_process")
+    from transformers.generation import logits_process as generation
     logits = _logits(3)
     histories = [[5, 7, 7, 90, 0], [], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     penalties = [1.3, 1.3, 0.7]
@@ -33,7 +32,7 @@ def test_repetition_penalty_matches_hf() -> None:
 
 
 def test_top_k_top_p_match_hf() -> None:
-    generation = pytest.importorskip("transformers.generation.logits_process")
+    from transformers.generation import logits_process as generation
     logits = _logits(4, seed=1)
     top_ks, top_ps = [5, 0, 20, 0], [1.0, 0.6, 0.9, 1.0]
     ours = top_k_top_p_mask(logits.clone(), top_ks, top_ps)

@@ -13,10 +13,10 @@ import transformers
 from voice_server.models.llama import (
     GGUFTokenizer,
     LlamaForCausalLM,
-    generate_greedy,
     load_gguf_with_tokenizer,
 )
 from voice_server.models.llama.loader import find_smollm2_gguf
+from voice_server.runners.generate import generate_greedy
 
 torch.set_num_threads(1)
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from voice_server.models.llama import LlamaConfig, generate_greedy, load_llama
+from voice_server.models.llama import LlamaConfig, load_llama
 from voice_server.models.llama.gguf_weights import unpermute_qk
 from voice_server.models.llama.loader import resolve_dtype
+from voice_server.runners.generate import generate_greedy
 
 torch.set_num_threads(1)
 

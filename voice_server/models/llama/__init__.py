@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from voice_server.models.llama.config import LlamaConfig
-from voice_server.models.llama.generate import generate_greedy
 from voice_server.models.llama.loader import find_smollm2_gguf, load_gguf_with_tokenizer, load_llama
 from voice_server.models.llama.model import LlamaForCausalLM
 from voice_server.models.llama.tokenizer import GGUFTokenizer
@@ -13,7 +12,6 @@ __all__ = [
     "LlamaConfig",
     "LlamaForCausalLM",
     "find_smollm2_gguf",
-    "generate_greedy",
     "load_gguf_with_tokenizer",
     "load_llama",
 ]

@@ -1,4 +1,5 @@
-"""Greedy decoding driver for tests and benchmarks (the server's runner steps models itself)."""
+"""A contiguous-cache greedy loop over `LlamaForCausalLM.forward`: the test-only reference the paged
+runner is checked against (the product's one generation loop is `voice_server.runners.generate`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from voice_server.models.llama.model import LlamaForCausalLM
 
 
 @torch.inference_mode()
-def generate_greedy(
+def greedy_contiguous(
     model: LlamaForCausalLM,
     input_ids: Sequence[int] | torch.Tensor,
     max_new_tokens: int,

@@ -1,0 +1,56 @@
+"""Offline generation through the serving path: a `DecoderRunner` under an `ARScheduler`, stepped
+in this process by `LocalStage`. This is the one generation loop (benchmarks, reference checks and
+offline use go through it, so they measure and verify what the server runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from voice_server.engine.local import LocalOutcome, LocalRequest, LocalStage
+from voice_server.models.llama import LlamaForCausalLM
+from voice_server.models.paged import PagedKVCache
+from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig
+from voice_server.runners.sizing import activation_reserve_bytes, weight_bytes
+from voice_server.scheduling import ARScheduler
+
+
+def budget_for(model: LlamaForCausalLM, num_tokens: int, page_size: int = 16, max_step_tokens: int = 512,
+               max_num_seqs: int = 8) -> int:
+    """A memory budget that holds the weights, the activation reserve and `num_tokens` of KV cache."""
+    cfg = model.config
+    dtype = next(model.parameters()).dtype
+    # NOTE: the KV cache takes the activations' dtype; quantised models compute in bf16 or fp32.
+    kv_dtype = dtype if dtype.is_floating_point else torch.bfloat16
+    elem = torch.empty((), dtype=kv_dtype).element_size()
+    reserve = activation_reserve_bytes(max_step_tokens, max_num_seqs, cfg.hidden_size, cfg.intermediate_size,
+                                       cfg.vocab_size, elem)
+    per_page = PagedKVCache.bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads,
+                                           cfg.head_dim, kv_dtype)
+    num_pages = -(-num_tokens // page_size) + 2  # NOTE: + the scratch page, + slack for rounding
+    return weight_bytes(model) + reserve + num_pages * per_page
+
+
+def run_local(runner: DecoderRunner, requests: Sequence[LocalRequest], max_batch_size: int = 8,
+              max_step_tokens: int = 512) -> dict[str, LocalOutcome]:
+    """Run `requests` through an `ARScheduler` over `runner`'s KV cache, as the `ar` stage does."""
+    scheduler = ARScheduler(runner.ar_spec, max_batch_size, max_step_tokens)
+    return LocalStage(scheduler, runner).run(requests)
+
+
+def generate_greedy(
+    model: LlamaForCausalLM, input_ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int] = (),
+) -> list[int]:
+    """New token ids (prompt excluded) for one sequence; stops after the first of `eos_ids`."""
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0, got {max_new_tokens}")
+    ids = [int(t) for t in input_ids]
+    if not ids:
+        raise ValueError("input_ids must not be empty")
+    budget = budget_for(model, len(ids) + max_new_tokens)
+    runner = DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=budget))
+    sampling: dict[str, Any] = {"max_tokens": max_new_tokens, "ignore_eos": True, "stop_token_ids": list(eos_ids)}
+    outcome = run_local(runner, [LocalRequest("greedy", {"token_ids": ids}, {"sampling": sampling})])["greedy"]
+    return list(outcome.result["token_ids"])
