@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from voice_server.models.llama import LlamaConfig, generate_greedy, load_llama
+from voice_server.models.llama import LlamaConfig, load_llama
 from voice_server.models.quant import (
     GROUP_SIZE,
     Int4Linear,
@@ -20,6 +20,7 @@ from voice_server.models.quant import (
     quantize_int4_groups,
     quantize_model,
 )
+from voice_server.runners.generate import generate_greedy
 
 torch.set_num_threads(1)
 

@@ -15,6 +15,7 @@ from voice_server.config.errors import ConfigError
 from voice_server.engine.runtime import StageContext
 from voice_server.models.llama import LlamaConfig, load_llama
 from voice_server.models.paged import PagedKVCache, build_attention_context
+from voice_server.models.quant import quantize_linear
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
 from voice_server.runners.sizing import min_invariant_rows, plan_kv_cache
 from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
@@ -135,13 +136,16 @@ def test_kv_sizing_from_budget(model: Any, runner: DecoderRunner) -> None:
         DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=MIB))
 
 
-def test_min_invariant_rows_is_found() -> None:
-    weight = torch.randn(192, 64)
-    rows = min_invariant_rows([weight])
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
+def test_min_invariant_rows_is_found(kind: str) -> None:
+    linear = torch.nn.Linear(64, 192, bias=False)
+    module = linear if kind == "fp32" else quantize_linear(linear, kind)
+    rows = min_invariant_rows([module], torch.float32)
     x = torch.randn(40, 64)
-    ref = torch.nn.functional.linear(x, weight)
-    for m in range(rows, 40):
-        assert torch.equal(torch.nn.functional.linear(x[:m], weight), ref[:m])
+    with torch.no_grad():
+        ref = module(x)
+        for m in range(rows, 40):
+            assert torch.equal(module(x[:m]), ref[:m])
 
 
 def test_execute_refuses_bad_batches(runner: DecoderRunner) -> None:
@@ -200,7 +204,6 @@ def _ctx(args: dict[str, Any], budget: int = 2 << 30) -> StageContext:
     ("args", "message"),
     [
         ({"modle": "smollm2"}, "field 'factory_args.modle': unknown key"),
-        ({"quantization": "int8"}, "factory_args.quantization.*not available yet"),
         ({"quantization": "int3"}, "factory_args.quantization.*must be one of"),
         ({"dtype": "fp16"}, "factory_args.dtype"),
         ({"page_size": 0}, "factory_args.page_size"),

@@ -344,6 +344,10 @@ AnyLinear = nn.Linear | Int8Linear | Int4Linear
 # ---------------------------------------------------------------------------------------------
 
 
+LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear)
+"""Every module kind a projection may be (float or weight-only quantised)."""
+
+
 def _concat_bias(parts: Sequence[AnyLinear]) -> torch.Tensor | None:
     biases = [getattr(p, "bias", None) for p in parts]
     if all(b is None for b in biases):

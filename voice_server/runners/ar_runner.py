@@ -15,6 +15,7 @@ import torch
 
 from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM
 from voice_server.models.paged import AttentionContext, PagedKVCache, build_attention_context
+from voice_server.models.quant import LINEAR_TYPES
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.detok import Detokenizer, token_bytes_table
 from voice_server.runners.sampler import Sampler
@@ -66,9 +67,11 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         if cfg.layer_types and "sliding_attention" in cfg.layer_types:
             raise ValueError("DecoderRunner: sliding-window attention layers are not supported by the paged cache")
         self.model, self.tokenizer, self.config = model, tokenizer, config
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
-        elem = param.element_size()
+        # NOTE: the final norm's dtype is the residual stream's, which the KV cache takes (quantised
+        # models hold int8/int4 weights next to it).
+        norm_weight = model.model.norm.weight
+        self.device, self.dtype = norm_weight.device, norm_weight.dtype
+        elem = norm_weight.element_size()
         self.plan: KVPlan = plan_kv_cache(
             budget_bytes=config.budget_bytes,
             weight_bytes=weight_bytes(model),
@@ -104,8 +107,8 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             max_model_len=self.plan.max_model_len,
             eos_token_ids=tuple(eos),
         )
-        linears = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        self.min_rows = min_invariant_rows(linears) if config.is_batch_invariant else 1
+        linears = [m for m in model.modules() if isinstance(m, LINEAR_TYPES)]
+        self.min_rows = min_invariant_rows(linears, self.dtype) if config.is_batch_invariant else 1
         self.rules = AdmissionRules(
             vocab_size=cfg.vocab_size,
             max_model_len=self.plan.max_model_len,

@@ -21,9 +21,7 @@ def budget_for(model: LlamaForCausalLM, num_tokens: int, page_size: int = 16, ma
                max_num_seqs: int = 8) -> int:
     """A memory budget that holds the weights, the activation reserve and `num_tokens` of KV cache."""
     cfg = model.config
-    dtype = next(model.parameters()).dtype
-    # NOTE: the KV cache takes the activations' dtype; quantised models compute in bf16 or fp32.
-    kv_dtype = dtype if dtype.is_floating_point else torch.bfloat16
+    kv_dtype = model.model.norm.weight.dtype  # NOTE: the residual stream's, as the runner's KV cache
     elem = torch.empty((), dtype=kv_dtype).element_size()
     reserve = activation_reserve_bytes(max_step_tokens, max_num_seqs, cfg.hidden_size, cfg.intermediate_size,
                                        cfg.vocab_size, elem)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 MIB = 1 << 20
@@ -84,25 +84,31 @@ def plan_kv_cache(
 
 
 @torch.no_grad()
-def min_invariant_rows(weights: Iterable[torch.Tensor], max_rows: int = 8) -> int:
-    """Smallest row count from which `F.linear` gives each row the same bits for any row count.
+def min_invariant_rows(modules: Iterable[nn.Module], in_dtype: torch.dtype, max_rows: int = 8) -> int:
+    """Smallest row count from which every linear module gives each row the same bits for any row count.
 
-    NOTE: BLAS picks kernels by the row count M. On the reference box (MKL 2024.2, AVX-512) M=1
-    is a GEMV, M=2..3 one GEMM kernel and M>=4 another, each rounding differently (~1e-6); padding
-    every step to this many rows makes a sequence's logits independent of its batch. Probed on
-    the model's own weight shapes, since the choice may also depend on N and K.
+    NOTE: BLAS picks kernels by the row count M. On the reference box (MKL 2024.2, AVX-512) fp32
+    M=1 is a GEMV, M=2..3 one GEMM kernel and M>=4 another, each rounding differently (~1e-6);
+    padding every step to this many rows makes a sequence's logits independent of its batch.
+    Probed on the model's own modules (float or quantised: their kernels choose differently), since
+    the choice may also depend on N and K.
     """
     worst = 1
     gen = torch.Generator().manual_seed(0)
-    seen: set[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = set()
-    for weight in weights:
-        key = (tuple(weight.shape), tuple(weight.stride()), weight.dtype)
+    seen: set[tuple[Any, ...]] = set()
+    for module in modules:
+        tensors = list(module.parameters()) + list(module.buffers())
+        in_features = getattr(module, "in_features", None)
+        if not tensors or not isinstance(in_features, int):
+            continue
+        weight = max(tensors, key=lambda t: t.numel())
+        key = (type(module), in_features, tuple(weight.shape), tuple(weight.stride()), weight.dtype)
         if key in seen:
             continue
         seen.add(key)
-        x = torch.randn(max(_PROBE_ROW_COUNTS), weight.shape[1], generator=gen).to(weight.device, weight.dtype)
-        ref = F.linear(x, weight)
-        agree = [m for m in _PROBE_ROW_COUNTS if torch.equal(F.linear(x[:m], weight), ref[:m])]
+        x = torch.randn(max(_PROBE_ROW_COUNTS), in_features, generator=gen).to(weight.device, in_dtype)
+        ref = module(x)
+        agree = [m for m in _PROBE_ROW_COUNTS if torch.equal(module(x[:m]), ref[:m])]
         # The smallest m such that every probed count from m up agrees.
         first = max_rows + 1
         for m in reversed(_PROBE_ROW_COUNTS):
@@ -110,6 +116,6 @@ def min_invariant_rows(weights: Iterable[torch.Tensor], max_rows: int = 8) -> in
                 break
             first = m
         if first > max_rows:
-            raise RuntimeError(f"F.linear rows depend on the row count beyond {max_rows} for {key}")
+            raise RuntimeError(f"rows of {type(module).__name__} depend on the row count beyond {max_rows} for {key}")
         worst = max(worst, first)
     return worst

