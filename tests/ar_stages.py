@@ -11,7 +11,16 @@ from __future__ import annotations
 import time
 
 from voice_server.engine.runtime import StageContext
-from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
+from voice_server.scheduling import (
+    AdmissionError,
+    Emit,
+    EmitKind,
+    Runner,
+    SimpleBatch,
+    SimpleResult,
+    WorkItem,
+    WorkKind,
+)
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SeqOutput
 
 VOCAB = 1000
@@ -41,8 +50,8 @@ class FakeARRunner(Runner[ARBatch, ARResult]):
         self.step_delay_s = step_delay_s
 
     def admit(self, item: WorkItem) -> WorkItem:
-        if item.kind is WorkKind.DONE:
-            return item
+        if item.kind is WorkKind.DONE or (item.is_stream and not item.payload):
+            return item  # NOTE: a stream opens empty; its tokens come in chunks
         ids = item.payload.get("token_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < VOCAB for t in ids):
             raise AdmissionError(f"payload.token_ids: must be a list of ids in [0, {VOCAB})")
@@ -68,3 +77,22 @@ def create_fake_ar(ctx: StageContext) -> FakeARRunner:
     args = ctx.args
     return FakeARRunner(int(args.get("num_pages", 64)), int(args.get("page_size", 4)),
                         float(args.get("step_delay_ms", 0.0)) / 1000.0)
+
+
+class TokenChunker(Runner[SimpleBatch, SimpleResult]):
+    """Streams `payload["token_ids"]` downstream in chunks of `payload["chunk_len"]` (an upstream
+    stage whose output is an AR stage's streaming input), `chunk_delay_ms` apart."""
+
+    def execute(self, batch: SimpleBatch) -> SimpleResult:
+        emits = []
+        for item in batch.items:
+            ids, size = item.payload["token_ids"], int(item.payload.get("chunk_len", 3))
+            for start in range(0, len(ids), size):
+                time.sleep(float(item.payload.get("chunk_delay_ms", 0)) / 1000.0)
+                emits.append(Emit(item.request_id, EmitKind.STREAM, {"token_ids": ids[start:start + size]}))
+            emits.append(Emit(item.request_id, EmitKind.RESULT, {}))
+        return SimpleResult(tuple(emits))
+
+
+def create_token_chunker(ctx: StageContext) -> TokenChunker:
+    return TokenChunker()

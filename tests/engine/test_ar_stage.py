@@ -158,3 +158,28 @@ def test_stop_strings_and_stop_tokens_end_a_request(ar: Pipeline) -> None:
     assert outputs[-1].payload["finish_reason"] == "stop"
     assert outputs[-1].payload["text"] == "".join(f" w{t}" for t in want[:5])
     assert "".join(o.payload["text"] for o in outputs[:-1]) == outputs[-1].payload["text"]
+
+
+def test_streaming_input_from_an_upstream_stage_prefills_as_it_arrives() -> None:
+    cfg = pipeline_from_dict({
+        "name": "fake-ar-streamed",
+        "stages": [
+            {"name": "chunker", "factory": "ar_stages:create_token_chunker", "stream_to": ["llm"],
+             "memory_fraction": 0.01},
+            {"name": "llm", "factory": "ar_stages:create_fake_ar", "scheduler": "ar", "terminal": True,
+             "memory_fraction": 0.01, "max_step_tokens": 4, "factory_args": {"num_pages": 32, "page_size": 4}},
+        ],
+    })
+    pipeline = Pipeline(cfg)
+    try:
+        prompt = list(range(2, 25))
+        outputs = pipeline.collect({"token_ids": prompt, "chunk_len": 5, "chunk_delay_ms": 5},
+                                   {"sampling": {"max_tokens": 6}})
+        assert tokens_of(outputs) == expected_tokens(prompt, 6)
+        assert outputs[-1].payload["num_prompt_tokens"] == len(prompt)
+        # NOTE: an upstream stream with no tokens at all is refused, not left waiting forever.
+        with pytest.raises(RequestError, match="no prompt tokens"):
+            pipeline.collect({"token_ids": []})
+    finally:
+        pipeline.close()
+    assert shm_segments(pipeline.coordinator.launch_id) == []
