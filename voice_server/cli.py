@@ -1,4 +1,4 @@
-"""`voice-server` command line: `serve` and `check-config`."""
+"""`voice-server` command line: `serve`, `ask` and `check-config`."""
 
 from __future__ import annotations
 
@@ -78,6 +78,22 @@ def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any
     return run_server(cfg, ServeOptions(host, port, log_level, http_limits))
 
 
+def ask(path: str, question: str, system: str | None, max_tokens: int | None, log_level: str) -> int:
+    """Exit 0 after a reply, 1 when the request failed, 2 on a config or start-up error."""
+    try:
+        cfg = load_pipeline(path)
+        plan_budget(cfg)
+        check_environment(cfg, is_import_allowed=False)
+    except ConfigError as exc:
+        print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
+        return 2
+    from voice_server.server.ask import run_ask
+    from voice_server.server.runner import configure_logging
+
+    configure_logging(log_level)
+    return run_ask(cfg, question, system, max_tokens)
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -120,6 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         "--backlog", type=_positive_int, default=None,
         help="TCP listen backlog (default: an eighth of the descriptor limit, at most 2048)",
     )
+    p_ask = sub.add_parser("ask", help="start a text pipeline, ask one question, stream the reply, stop")
+    p_ask.add_argument("question")
+    p_ask.add_argument("--config", default="configs/llm-cpu.yaml")
+    p_ask.add_argument("--system", default=None, help="system prompt")
+    p_ask.add_argument("--max-tokens", type=_positive_int, default=None)
+    p_ask.add_argument("--log-level", default="warning", type=str.lower,
+                       choices=["critical", "error", "warning", "info", "debug"])
     p_check = sub.add_parser("check-config", help="validate a pipeline and print its topology and memory budget")
     p_check.add_argument("config")
     p_check.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected failure")
@@ -130,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
             "keep_alive_timeout_s": args.keep_alive_timeout, "backlog": args.backlog,
         }
         return serve(args.config, args.host, args.port, args.log_level, limits)
+    if args.command == "ask":
+        return ask(args.config, args.question, args.system, args.max_tokens, args.log_level)
     return check_config(args.config, show_traceback=args.traceback)
 
 
