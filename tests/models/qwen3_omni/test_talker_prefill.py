@@ -18,10 +18,10 @@ from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneratio
 
 from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
-from voice_server.models.qwen3_omni.talker.generate import generate_frames
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.models.qwen3_omni.turn import generate_frames
 
 torch.set_num_threads(1)
 ATOL = 1e-4

@@ -2,7 +2,8 @@
 
 This is the offline reference driver (tests, benches, a CLI demo): it reproduces transformers'
 `Qwen3OmniMoeForConditionalGeneration.generate(..., thinker_do_sample=False, talker_do_sample=False)`
-for one sequence. Serving runners drive the same public pieces stage by stage instead.
+for one sequence, with its own frame loop (`generate_frames`). Serving runners drive the same public
+pieces stage by stage instead; these loops stay only as the reference they are checked against.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ from voice_server.models.layers import KVCache
 from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.loading import load_part
-from voice_server.models.qwen3_omni.talker.generate import generate_frames
-from voice_server.models.qwen3_omni.talker.model import Talker
-from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.models.qwen3_omni.talker.model import Talker, TalkerStepOutput
+from voice_server.models.qwen3_omni.talker.prefill import (
+    TalkerPrefill,
+    TurnTokenIds,
+    build_talker_prefill,
+    text_vector_at,
+)
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.thinker.rope import decode_position_ids, get_rope_index
@@ -45,6 +50,33 @@ class TurnResult:
     text_ids: torch.Tensor  # [1, prompt + generated]
     codes: torch.Tensor  # [1, num_code_groups, num_frames]
     waveform: torch.Tensor  # [1, 1, num_samples] at the code2wav sample rate
+
+
+@torch.no_grad()
+def generate_frames(
+    talker: Talker,
+    prefill: TalkerPrefill,
+    max_frames: int,
+    sampling: TalkerSampling | None = None,
+    generator: torch.Generator | None = None,
+) -> list[TalkerStepOutput]:
+    """Frames until code 0 is codec EOS (that frame is not returned) or `max_frames` frames.
+
+    Frame i comes from talker pass i (pass 0 is the prefill); its `next_input_embeds` feeds pass i + 1.
+    """
+    kv_cache = KVCache(len(talker.model.layers))
+    code0_seen = torch.zeros(1, talker.cfg.vocab_size, dtype=torch.bool, device=prefill.inputs_embeds.device)
+    inputs, positions = prefill.inputs_embeds, prefill.positions
+    next_pos = int(positions.max()) + 1
+    frames: list[TalkerStepOutput] = []
+    for i in range(max_frames):
+        out = talker.step(inputs, positions, kv_cache, text_vector_at(prefill, i), code0_seen, sampling, generator)
+        if int(out.codes[0, 0]) == talker.cfg.codec_eos_token_id:
+            break
+        frames.append(out)
+        inputs = out.next_input_embeds
+        positions = torch.full((3, 1, 1), next_pos + i, device=inputs.device)
+    return frames
 
 
 def turn_token_ids(cfg: Qwen3OmniConfig) -> TurnTokenIds:
