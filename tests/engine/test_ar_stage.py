@@ -167,7 +167,8 @@ def test_streaming_input_from_an_upstream_stage_prefills_as_it_arrives() -> None
             {"name": "chunker", "factory": "ar_stages:create_token_chunker", "stream_to": ["llm"],
              "memory_fraction": 0.01},
             {"name": "llm", "factory": "ar_stages:create_fake_ar", "scheduler": "ar", "terminal": True,
-             "memory_fraction": 0.01, "max_step_tokens": 4, "factory_args": {"num_pages": 32, "page_size": 4}},
+             "memory_fraction": 0.01, "max_batch_size": 4, "max_step_tokens": 4,
+             "factory_args": {"num_pages": 32, "page_size": 4}},
         ],
     })
     pipeline = Pipeline(cfg)

@@ -59,12 +59,23 @@ def with_change(path: str, value: Any) -> dict[str, Any]:
         ("entry", "zzz", "field 'entry': unknown stage 'zzz'"),
         ("relay_slab_bytes", 10, "field 'relay_slab_bytes'"),
         ("stages", [], "field 'stages'"),
+        ("stages.0.max_step_tokens", 0, "stage 'a': field 'max_step_tokens'"),
+        ("stages.0.prefix_cache", "yes", "stage 'a': field 'prefix_cache'"),
     ],
 )
 def test_validation_errors_name_stage_and_field(path: str, value: Any, needle: str) -> None:
     with pytest.raises(ConfigError) as info:
         pipeline_from_dict(with_change(path, value))
     assert needle in str(info.value)
+
+
+def test_an_ar_stage_needs_a_step_budget_for_every_running_request() -> None:
+    raw = base()
+    raw["stages"][0].update(scheduler="ar", max_batch_size=16, max_step_tokens=8)
+    with pytest.raises(ConfigError, match=r"stage 'a': field 'max_step_tokens': must be >= max_batch_size \(16\)"):
+        pipeline_from_dict(raw)
+    raw["stages"][0]["max_step_tokens"] = 16
+    assert pipeline_from_dict(raw).stages[0].max_step_tokens == 16
 
 
 def test_no_terminal_stage_and_unreachable_stage() -> None:

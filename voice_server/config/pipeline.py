@@ -84,6 +84,11 @@ class StageConfig:
             raise fail(where, "tp_size", "only 1 is supported until tensor parallelism lands")
         if not isinstance(self.factory_args, dict):
             raise fail(where, "factory_args", "must be a mapping")
+        if self.scheduler == "ar" and self.max_step_tokens < self.max_batch_size:
+            # NOTE: decode takes one token per running request per step; a smaller budget would
+            # leave some running requests without a token every step.
+            raise fail(where, "max_step_tokens", f"must be >= max_batch_size ({self.max_batch_size}) for an ar stage, "
+                       f"got {self.max_step_tokens}")
 
     @property
     def process_name(self) -> str:
