@@ -54,8 +54,8 @@ def check_config(path: str, *, show_traceback: bool = False) -> int:
     return 0
 
 
-def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any]) -> int:
-    """Exit 0 after SIGTERM/SIGINT (at any point, start-up included), 2 on a config or start-up error."""
+def load_for_launch(path: str) -> PipelineConfig | None:
+    """The config, checked for a launch from this process; None after printing one `config error` line."""
     try:
         cfg = load_pipeline(path)
         plan_budget(cfg)
@@ -64,6 +64,14 @@ def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any
         check_environment(cfg, is_import_allowed=False)
     except ConfigError as exc:
         print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
+        return None
+    return cfg
+
+
+def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any]) -> int:
+    """Exit 0 after SIGTERM/SIGINT (at any point, start-up included), 2 on a config or start-up error."""
+    cfg = load_for_launch(path)
+    if cfg is None:
         return 2
     from voice_server.server.http import HttpLimits, raise_nofile_limit
     from voice_server.server.runner import ServeOptions, configure_logging, run_server
@@ -80,12 +88,8 @@ def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any
 
 def ask(path: str, question: str, system: str | None, max_tokens: int | None, log_level: str) -> int:
     """Exit 0 after a reply, 1 when the request failed, 2 on a config or start-up error."""
-    try:
-        cfg = load_pipeline(path)
-        plan_budget(cfg)
-        check_environment(cfg, is_import_allowed=False)
-    except ConfigError as exc:
-        print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
+    cfg = load_for_launch(path)
+    if cfg is None:
         return 2
     from voice_server.server.ask import run_ask
     from voice_server.server.runner import configure_logging
