@@ -50,6 +50,17 @@ class PagedKVCache:
         # NOTE: views made once: indexing `kv` per layer per step cost ~30 us each (profiled).
         self.pages = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
         self.slots = [(k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)) for k, v in self.pages]
+        self._padding: dict[tuple[int, int], torch.Tensor] = {}
+
+    def padding_output(self, num_heads: int, num_padding: int) -> torch.Tensor:
+        """Zeros `[1, num_heads, num_padding, D]`: the padding rows' attention output (made once,
+        shared by every layer and step: `attend` only reads it)."""
+        out = self._padding.get((num_heads, num_padding))
+        if out is None:
+            out = self._padding[num_heads, num_padding] = torch.zeros(
+                1, num_heads, num_padding, self.head_dim, dtype=self.kv.dtype, device=self.kv.device
+            )
+        return out
 
     @staticmethod
     def bytes_per_page(
@@ -128,7 +139,7 @@ class AttentionContext:
             outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=True))
         num_padding = self.num_rows - sum(s.query_len for s in self.spans)
         if num_padding:
-            outs.append(q.new_zeros(1, q.shape[1], num_padding, q.shape[3]))
+            outs.append(cache.padding_output(q.shape[1], num_padding))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
 
 
