@@ -118,7 +118,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         )
         self.sampler = Sampler(config.sampler_seed)
         self.detok = Detokenizer(token_bytes_table(tokenizer.tokenizer)) if tokenizer is not None else None
-        model.rope_table(self.device, self.dtype)  # NOTE: built now, not inside the first request
+        model.signed_rope_table(self.device, self.dtype)  # NOTE: built now, not inside the first request
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
             "max_model_len %d, %d-row steps",

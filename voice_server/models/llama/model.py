@@ -20,6 +20,7 @@ from voice_server.models.layers import (
     rope_angles,
     rope_cos_sin,
     rope_inv_freq,
+    signed_sin,
 )
 from voice_server.models.llama.config import LlamaConfig
 from voice_server.models.paged import AttentionContext
@@ -79,6 +80,7 @@ class LlamaForCausalLM(nn.Module):
         # loader, and a buffer would then hold garbage; this is recomputed per device on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._signed_rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -123,6 +125,15 @@ class LlamaForCausalLM(nn.Module):
             table = self._rope_tables[key] = self.rope_cos_sin(positions, dtype)
         return table
 
+    def signed_rope_table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope_table` with sin as `signed_sin` (for `apply_rotary_signed`), computed once per device."""
+        key = (device, dtype)
+        table = self._signed_rope_tables.get(key)
+        if table is None:
+            cos, sin = self.rope_table(device, dtype)
+            table = self._signed_rope_tables[key] = (cos, signed_sin(sin))
+        return table
+
     def forward_paged(
         self,
         input_ids: torch.Tensor,
@@ -135,8 +146,9 @@ class LlamaForCausalLM(nn.Module):
         Only the rows that are sampled go through the final norm and lm_head.
         """
         x = self.model.embed_tokens(input_ids)[None]
-        cos_table, sin_table = self.rope_table(x.device, x.dtype)
-        cos, sin = cos_table[positions][None], sin_table[positions][None]
+        cos_table, sin_table = self.signed_rope_table(x.device, x.dtype)
+        # NOTE: [1, 1, T, D], broadcast over heads by every layer's `apply_rotary_signed`.
+        cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, ctx, i)
         hidden = x[0].index_select(0, logits_indices)
