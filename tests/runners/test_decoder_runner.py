@@ -9,11 +9,12 @@ import pytest
 import torch
 from ar_batches import Request, run
 from reference_greedy import greedy_contiguous
+from tiny_llama import tiny_llama
 
 from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import ConfigError
 from voice_server.engine.runtime import StageContext
-from voice_server.models.llama import LlamaConfig, load_llama
+from voice_server.models.llama import load_llama
 from voice_server.models.paged import PagedKVCache, build_attention_context
 from voice_server.models.quant import quantize_linear
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
@@ -24,17 +25,7 @@ from voice_server.stages.llm import create_llm
 
 torch.set_num_threads(1)
 
-CFG = LlamaConfig(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    eos_token_ids=(3,),
-)
+CFG = tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16, max_position_embeddings=512)
 MIB = 1 << 20
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_llama import tiny_llama
 
 from voice_server.models.llama import LlamaConfig, load_llama
 from voice_server.models.llama.gguf_weights import unpermute_qk
@@ -17,16 +18,7 @@ from voice_server.runners.generate import generate_greedy
 
 torch.set_num_threads(1)
 
-TINY = LlamaConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    eos_token_ids=(3,),
-)
+TINY = tiny_llama()
 HF_DICT = {
     "model_type": "llama",
     "vocab_size": 64,
