@@ -68,6 +68,15 @@ def default_quantization() -> str:
     the same AVX512-BF16 EPYC (SmolLM2 decode step, 1 thread, ms: AVX512 int4 11.9 / int8 14.9 /
     fp32 37.6; AVX2 kernels int4 18.6 / int8 19.6 / fp32 38.0). A real AVX2-only CPU was not
     measured. Without AVX2 (ARM, old x86) stay on fp32: the kernels' vector paths are x86.
+
+    NOTE: `w8a8` (int8 activations per row, `torch._int_mm`) is not the default even with
+    AVX512-VNNI: on SmolLM2 its greedy agreement with fp32 is 0.54 (int4 0.86) with a first-token
+    flip, from the RMSNorm-fed inputs (W8A8 on qkv alone: 0.47, gate_up alone: 0.42, o_proj 0.84,
+    lm_head 0.89; outlier channels, no smoothing yet). Speed through the runner, 1 thread, same
+    EPYC (AVX512-VNNI), two runs: TTFT of 206 tokens 135-141 ms vs 318-320 ms (prefill is
+    compute-bound), but single-stream decode 76-78 vs 87 tok/s (int8 weights are twice int4's
+    bytes and decode is bandwidth-bound once weights leave the cache), 4 streams 152-159 vs 228-229
+    tok/s, 8 streams 256-257 vs 270-277 tok/s (`_int_mm`'s M>=2 GEMM is slow on cold weights).
     """
     flags = cpu_flags()
     if "avx2" in flags or "avx512f" in flags:
