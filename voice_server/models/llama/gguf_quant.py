@@ -1,9 +1,9 @@
 """Build a quantised `LlamaForCausalLM` straight from a GGUF's blocks (no fp32 model in between).
 
 - Q4_1 linear weights -> `Int4Linear` exactly (`scale = d`, `zero = m + 8 d`) in `int4` mode; in
-  `int8` mode they are dequantised and requantised per row.
+  `int8` and `w8a8` modes they are dequantised and requantised per row.
 - A Q8_0 `token_embd` -> `QuantEmbedding` exactly; a tied `lm_head` is requantised from it
-  (`Int8Linear`: per 32 -> per row; `Int4Linear`: asymmetric min/max per 32).
+  (`Int8Linear` / `W8A8Linear`: per 32 -> per row; `Int4Linear`: asymmetric min/max per 32).
 - Anything else (F32 norms, other block formats) is dequantised to fp32 as `gguf_weights` does.
 
 llama.cpp's q/k row permutation is undone on the raw block rows (each row holds whole blocks).
@@ -23,6 +23,7 @@ from voice_server.models.quant import (
     Int4Linear,
     Int8Linear,
     QuantEmbedding,
+    W8A8Linear,
     check_mode,
     default_lm_head_mode,
     fuse_projections,
@@ -34,6 +35,10 @@ def _quant_linear_from_gguf(raw: torch.Tensor, ggml_type: int, dense: torch.Tens
     """`raw` uint8 rows of blocks, `dense` the fp32 values (needed unless Q4_1 -> int4)."""
     if mode == "int4" and ggml_type == GGML_Q4_1:
         return Int4Linear.from_q4_1(raw)
+    if mode == "w8a8" and ggml_type == GGML_Q4_1:
+        return W8A8Linear.from_q4_1(raw)
+    if mode == "w8a8" and ggml_type == GGML_Q8_0:
+        return W8A8Linear.from_q8_0(raw)
     assert dense is not None
     if mode == "int8" and ggml_type == GGML_Q8_0:
         return Int8Linear.from_q8_0(raw)
@@ -51,12 +56,12 @@ def load_gguf_quantized(
     dtype: torch.dtype = torch.float32,
     fuse: bool = True,
 ) -> LlamaForCausalLM:
-    """`mode` in int8|int4 for every projection, `lm_head_mode` (default int8) for lm_head;
+    """`mode` in int8|int4|w8a8 for every projection, `lm_head_mode` (`default_lm_head_mode`) for lm_head;
     `dtype` is the residual-stream dtype (norms, embedding output)."""
     check_mode(mode)
     head_mode = check_mode(lm_head_mode or default_lm_head_mode(mode))
     if mode == "none":
-        raise ValueError("load_gguf_quantized needs mode int8 or int4 (use load_gguf for float)")
+        raise ValueError("load_gguf_quantized needs mode int8, int4 or w8a8 (use load_gguf for float)")
     cfg = LlamaConfig.from_gguf_metadata(gguf_file.metadata, gguf_file.tensor_names)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -69,7 +74,7 @@ def load_gguf_quantized(
         is_block = info.ggml_type in (GGML_Q4_1, GGML_Q8_0)
         raw = gguf_file.raw(info)
         raw_rows = torch.from_numpy(raw.copy()) if is_block else None
-        needs_dense = not (is_block and info.ggml_type == GGML_Q4_1 and mode == "int4" and attr == "weight")
+        needs_dense = not (is_block and info.ggml_type == GGML_Q4_1 and mode in ("int4", "w8a8") and attr == "weight")
         dense = gguf_file.dequantize(info) if needs_dense else None
         if is_permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
@@ -106,7 +111,7 @@ def load_gguf_quantized(
             if target.bias is not None and not target.bias.is_meta:
                 quant.bias = target.bias.detach().float() if not isinstance(quant, nn.Linear) else target.bias
             _replace(model, module_name, quant)
-        elif attr == "bias" and isinstance(target, Int8Linear | Int4Linear):
+        elif attr == "bias" and isinstance(target, Int8Linear | Int4Linear | W8A8Linear):
             assert dense is not None
             target.bias = dense.float()
         else:

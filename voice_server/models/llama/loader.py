@@ -70,8 +70,8 @@ def load_llama(
     """Load weights from `path` (HF directory or `.gguf` file), or build dummy ones.
 
     With `load_format="dummy"` the shapes come from `config`, or else from `path`'s config.json.
-    `quantization` (`none|int8|int4`, see `voice_server.models.quant`) quantises every projection
-    (`lm_head_quantization`, default int8, for lm_head) and fuses q/k/v and gate/up; `dtype` is
+    `quantization` (`none|int8|int4|w8a8`, see `voice_server.models.quant`) quantises every projection
+    (`lm_head_quantization`, default `default_lm_head_mode`, for lm_head) and fuses q/k/v and gate/up; `dtype` is
     then the residual-stream dtype. A GGUF is quantised from its blocks (Q4_1 -> int4 exactly).
     """
     if load_format not in LOAD_FORMATS:
