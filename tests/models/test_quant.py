@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from tiny_llama import tiny_llama
 from torch import nn
 
-from voice_server.models.llama import LlamaConfig, load_llama
+from voice_server.models.llama import load_llama
 from voice_server.models.quant import (
     GROUP_SIZE,
     Int4Linear,
@@ -26,16 +27,7 @@ from voice_server.runners.generate import generate_greedy
 
 torch.set_num_threads(1)
 
-TINY = LlamaConfig(
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    tie_word_embeddings=True,
-)
+TINY = tiny_llama(hidden_size=64, intermediate_size=96, head_dim=16, eos_token_ids=(), tie_word_embeddings=True)
 
 
 def _bf16_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
