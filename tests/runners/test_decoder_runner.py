@@ -3,6 +3,7 @@ invariance, KV sizing, admission and the stage factory's argument checks."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -72,6 +73,29 @@ def test_greedy_matches_generate_greedy_batched_and_chunked(model: Any, runner: 
     assert {rid: r.output for rid, r in out.items()} == ref
     chunked = run(runner, {"r5": Request(prompts["r5"], max_new_tokens=10, chunk_sizes=(1, 7, 13))})
     assert chunked["r5"].output == ref["r5"]
+
+
+def test_compiled_decode_step_gives_the_same_greedy_ids(model: Any) -> None:
+    """`compile`: single-stream decode steps through the AOTInductor graph, prefill and batches eager."""
+    # NOTE: not batch invariant, so that single-stream steps are one row (the compiled path).
+    config = DecoderRunnerConfig(budget_bytes=120 * MIB, page_size=4, max_step_tokens=64, is_batch_invariant=False)
+    eager = DecoderRunner(model, None, config)
+    compiled = DecoderRunner(model, None, dataclasses.replace(config, compile=True))
+    step = compiled.decode_step
+    assert step is not None
+    calls = []
+    graph = step.compiled
+    step.compiled = lambda *args: calls.append(1) or graph(*args)
+    prompts = _prompts(3)
+    for rid, prompt in prompts.items():
+        # NOTE: one request at a time: its decode steps are one row each.
+        requests = {rid: Request(prompt, max_new_tokens=12)}
+        assert run(compiled, requests)[rid].output == run(eager, requests)[rid].output
+    assert len(calls) == 3 * 11
+    requests = {rid: Request(p, max_new_tokens=6, start_step=i) for i, (rid, p) in enumerate(prompts.items())}
+    assert {r: o.output for r, o in run(compiled, requests).items()} == {
+        r: o.output for r, o in run(eager, requests).items()
+    }
 
 
 def test_logits_are_batch_invariant(model: Any, runner: DecoderRunner) -> None:
@@ -198,6 +222,7 @@ def _ctx(args: dict[str, Any], budget: int = 2 << 30) -> StageContext:
         ({"quantization": "int3"}, "factory_args.quantization.*must be one of"),
         ({"dtype": "fp16"}, "factory_args.dtype"),
         ({"page_size": 0}, "factory_args.page_size"),
+        ({"compile": "yes"}, "factory_args.compile"),
         ({"sampling": {"top_k": -1}}, "factory_args.sampling.*top_k"),
         ({"model": "/nonexistent"}, "factory_args.model"),
     ],

@@ -216,7 +216,28 @@ class Attention(nn.Module):
         x is [1, num_rows, hidden]: the flat tokens of a ragged batch."""
         bsz, q_len, _ = x.shape
         is_paged = kv_cache is not None and not isinstance(kv_cache, KVCache)
-        # NOTE: the paged path gets cos [1, 1, T, D] and `signed_sin` (see `forward_paged`).
+        q, k, v = self.project(x, cos, sin, is_paged)
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            out = kv_cache.attend(layer_idx, q, k, v, self.sliding_window)
+        else:
+            if kv_cache is not None:
+                k, v = kv_cache.update(layer_idx, k, v)
+            # NOTE: one new token sees every cached key (without a window): no mask, a faster kernel.
+            mask = None if q_len == 1 and self.sliding_window is None else causal_mask(
+                q_len, k.shape[2], x.device, self.sliding_window
+            )
+            if extra_mask is not None:
+                mask = extra_mask if mask is None else mask & extra_mask
+            out = sdpa(q, k, v, mask)
+        return self.output(out)
+
+    def project(
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, is_paged: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, L, hidden] -> rotated q [B, H, L, D] and k, v [B, H_kv, L, D] (before the cache).
+
+        `is_paged`: cos/sin are the paged path's (cos [1, 1, T, D] and `signed_sin`, see `forward_paged`)."""
+        bsz, q_len, _ = x.shape
         rotary = apply_rotary_signed if is_paged else apply_rotary
         if self.qkv_proj is not None and self.q_norm is None and cos is not None and sin is not None:
             # Fused: rotate the q and k heads together (half the small rope ops of a decode step).
@@ -237,18 +258,11 @@ class Attention(nn.Module):
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             if cos is not None and sin is not None:
                 q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        if kv_cache is not None and not isinstance(kv_cache, KVCache):
-            out = kv_cache.attend(layer_idx, q, k, v, self.sliding_window)
-        else:
-            if kv_cache is not None:
-                k, v = kv_cache.update(layer_idx, k, v)
-            # NOTE: one new token sees every cached key (without a window): no mask, a faster kernel.
-            mask = None if q_len == 1 and self.sliding_window is None else causal_mask(
-                q_len, k.shape[2], x.device, self.sliding_window
-            )
-            if extra_mask is not None:
-                mask = extra_mask if mask is None else mask & extra_mask
-            out = sdpa(q, k, v, mask)
+        return q, k, v
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """Attention output [B, H, L, D] -> o_proj of its heads, [B, L, hidden]."""
+        bsz, _, q_len, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -273,4 +287,9 @@ class DecoderLayer(nn.Module):
         extra_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, layer_idx, extra_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The layer after its attention: x [B, L, hidden] and the attention output [B, H, L, D]."""
+        x = x + self.self_attn.output(attn_out)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -17,6 +17,7 @@ from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM
 from voice_server.models.paged import AttentionContext, PagedKVCache, build_attention_context
 from voice_server.models.quant import LINEAR_TYPES
 from voice_server.runners.admission import AdmissionRules, admit
+from voice_server.runners.compiled import CompiledDecodeStep
 from voice_server.runners.detok import Detokenizer, token_bytes_table
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import (
@@ -49,6 +50,11 @@ class DecoderRunnerConfig:
     sequence gives the same logits alone and in any batch (costs single-stream decode speed)."""
     sampler_seed: int | None = None
     """Seeds the generators of requests that give no seed (None: nondeterministic)."""
+    compile: bool = False
+    """Run steps of one decode row (single-stream decode) through `CompiledDecodeStep`, compiled by
+    AOTInductor at start-up (~30 s and ~0.5 GB more resident for SmolLM2; inductor's cache under
+    `inductor_cache_dir()`); other steps stay eager. Same greedy ids, but the logits are not always
+    bit-identical to eager ones: a compiled runner is not batch invariant."""
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "page_size", "max_step_tokens", "max_num_seqs"):
@@ -119,6 +125,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         self.sampler = Sampler(config.sampler_seed)
         self.detok = Detokenizer(token_bytes_table(tokenizer.tokenizer)) if tokenizer is not None else None
         model.signed_rope_table(self.device, self.dtype)  # NOTE: built now, not inside the first request
+        self.decode_step = CompiledDecodeStep(model, self.cache) if config.compile else None
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
             "max_model_len %d, %d-row steps",
@@ -185,6 +192,8 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         self, ids: list[int], positions: torch.Tensor, ctx: AttentionContext, logits_rows: list[int]
     ) -> torch.Tensor:
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        if self.decode_step is not None and len(ids) == 1 and logits_rows == [0]:
+            return self.decode_step(input_ids, positions, ctx)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return self.model.forward_paged(input_ids, positions, ctx, rows)
 

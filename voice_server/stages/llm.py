@@ -10,6 +10,8 @@ factory_args (all optional):
   Q4_1 blocks load into int4 without requantising); w8a8 also quantises activations per row
   (exact integer GEMM: 2.3x faster prefill, slower decode, less accurate without smoothing).
 - `page_size` (16), `max_model_len` (the model's), `batch_invariant` (true), `sampler_seed` (null).
+- `compile` (false): compile the single-stream decode step with inductor at start-up
+  (`DecoderRunnerConfig.compile`).
 - `sampling`: request sampling defaults (`SamplingParams` fields); a request's `params.sampling`
   overrides them field by field.
 """
@@ -44,6 +46,7 @@ FACTORY_ARGS = (
     "batch_invariant",
     "sampler_seed",
     "sampling",
+    "compile",
 )
 DTYPES = ("fp32", "bf16", "auto")
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "auto")
@@ -70,6 +73,9 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     is_batch_invariant = args.get("batch_invariant", True)
     if not isinstance(is_batch_invariant, bool):
         raise fail(where, "factory_args.batch_invariant", f"must be true or false, got {show(is_batch_invariant)}")
+    is_compiled = args.get("compile", False)
+    if not isinstance(is_compiled, bool):
+        raise fail(where, "factory_args.compile", f"must be true or false, got {show(is_compiled)}")
     try:
         sampling = SamplingParams.from_params({"sampling": args.get("sampling") or {}})
     except ValueError as exc:
@@ -94,6 +100,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
         sampling_defaults=sampling,
         is_batch_invariant=is_batch_invariant,
         sampler_seed=sampler_seed,
+        compile=is_compiled,
     )
     try:
         return DecoderRunner(model, tokenizer, config)

@@ -7,8 +7,10 @@ loops live elsewhere (`generate.py` for tests and benchmarks, the runner in the 
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from voice_server.models.layers import (
@@ -176,3 +178,52 @@ class LlamaForCausalLM(nn.Module):
         if is_last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))
+
+
+
+class PagedDecodeGraph(nn.Module):
+    """`forward_paged` for one decode row of one sequence, as a module to export whole (attention
+    included) for `voice_server.runners.compiled.CompiledDecodeStep`.
+
+    The keys are the sequence's pages gathered whole (`page_index` [P], P dynamic), this step's key
+    appended last, and a mask for the gathered slots at or past `kv_len - 1` (page tail, and this
+    step's own slot, not written yet). The cache is only read: the step's keys/values come back as
+    `new_kv` [num_layers, 2, H_kv, D] for the caller to write (one `index_copy_`).
+    """
+
+    model: LlamaForCausalLM
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
+    def __init__(self, model: LlamaForCausalLM, page_size: int) -> None:
+        super().__init__()
+        self.model, self.page_size = model, page_size
+        norm_weight = model.model.norm.weight
+        cos, sin = model.signed_rope_table(norm_weight.device, norm_weight.dtype)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, page_index: torch.Tensor, kv_len: torch.Tensor,
+        kv: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids/positions [1], page_index [P], kv_len [] (long), kv the `PagedKVCache.kv` ->
+        (final-normed hidden [1, hidden], new_kv [num_layers, 2, H_kv, D])."""
+        inner = self.model.model
+        x = inner.embed_tokens(input_ids)[None]
+        cos, sin = self.cos_table[positions][None, None], self.sin_table[positions][None, None]
+        num_slots = page_index.shape[0] * self.page_size
+        j = torch.arange(num_slots + 1, device=page_index.device)
+        mask = ((j < kv_len - 1) | (j == num_slots))[None, None, None]
+        heads_kv, head_dim = kv.shape[-2], kv.shape[-1]
+        new_kv = []
+        for i, module in enumerate(inner.layers):
+            layer = cast(DecoderLayer, module)
+            q, k, v = layer.self_attn.project(layer.input_layernorm(x), cos, sin, True)
+            past_k = kv[i, 0].index_select(0, page_index).reshape(1, num_slots, heads_kv, head_dim).transpose(1, 2)
+            past_v = kv[i, 1].index_select(0, page_index).reshape(1, num_slots, heads_kv, head_dim).transpose(1, 2)
+            keys, values = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+            x = layer.finish(x, out)
+            new_kv.append(torch.stack((k[0, :, 0], v[0, :, 0])))
+        return inner.norm(x[0]), torch.stack(new_kv)
