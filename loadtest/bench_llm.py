@@ -6,7 +6,9 @@ unless `--no-invariant`) under an `ARScheduler`, driven by `runners.generate.run
 - ours fp32 / bf16: the GGUF dequantised (`load_llama(path, dtype=...)`); bf16 only where the CPU
   has AVX512-BF16 or AMX (elsewhere bf16 matmuls are emulated and much slower).
 - ours int8 / int4: `load_llama(path, quantization=...)`; int4 takes the Q4_1 blocks as they are,
-  int8 requantises per row; both keep lm_head in int8 and fuse q/k/v and gate/up.
+  int8 requantises per row; both keep lm_head in int8 and fuse q/k/v and gate/up. `int4 compiled`:
+  the same int4 model with `compile: true` (single-row decode steps through one AOTInductor graph;
+  its `load_s` includes the compile at start-up). `w8a8`: int8 weights and per-row int8 activations.
 - ours w8a8: int8 weights per channel (requantised from the blocks) and int8 activations per row
   through `torch._int_mm`, lm_head included; exactly batch invariant, so the runner pads nothing.
 - llama.cpp: `llama_cpp.Llama(model_path=..., n_threads=...)`, fed our token ids, greedy (argmax of
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -43,7 +44,7 @@ from voice_server.engine.local import LocalRequest  # noqa: E402
 from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM, load_llama  # noqa: E402
 from voice_server.models.llama.gguf_file import GGUFFile  # noqa: E402
 from voice_server.models.llama.loader import find_smollm2_gguf  # noqa: E402
-from voice_server.models.quant import cpu_flags, has_native_bf16  # noqa: E402
+from voice_server.models.quant import has_native_bf16  # noqa: E402
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig  # noqa: E402
 from voice_server.runners.generate import budget_for, run_local  # noqa: E402
 
@@ -64,24 +65,6 @@ _STORY = (
 Stepper = Callable[[list[int]], tuple[int, Callable[[int], int]]]
 
 
-def cpu_description() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    except OSError:
-        pass
-    flags = cpu_flags()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
-    shown = " ".join(f"{f}={'yes' if f in flags else 'no'}" for f in wanted)
-    return (
-        f"CPU: {model}, {os.cpu_count()} logical cores; {shown}; "
-        f"torch {torch.__version__} kernels: {torch.backends.cpu.get_cpu_capability()}"
-    )
-
-
 def long_prompt(tokenizer: GGUFTokenizer, num_tokens: int = LONG_PROMPT_TOKENS) -> list[int]:
     """A chat prompt of about `num_tokens` ids (a story repeated, then a question)."""
     text = _STORY
@@ -93,9 +76,11 @@ def long_prompt(tokenizer: GGUFTokenizer, num_tokens: int = LONG_PROMPT_TOKENS) 
 
 
 def make_runner(model: LlamaForCausalLM, tokenizer: GGUFTokenizer, is_batch_invariant: bool = True,
+                is_compiled: bool = False,
                 num_tokens: int = 8 * 1024) -> DecoderRunner:
     """The runner the `llm` stage builds, with a KV cache for `num_tokens` tokens."""
-    config = DecoderRunnerConfig(budget_bytes=budget_for(model, num_tokens), is_batch_invariant=is_batch_invariant)
+    config = DecoderRunnerConfig(budget_bytes=budget_for(model, num_tokens), is_batch_invariant=is_batch_invariant,
+                                 compile=is_compiled)
     return DecoderRunner(model, tokenizer, config)
 
 
@@ -202,7 +187,7 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
     if has_native_bf16():
         variants.append(("bf16", {"dtype": torch.bfloat16}))
     variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
-                 ("w8a8", {"quantization": "w8a8"})]
+                 ("int4 compiled", {"quantization": "int4"}), ("w8a8", {"quantization": "w8a8"})]
     if only:
         # NOTE: fp32 stays: it is the greedy_agree reference.
         variants = [v for v in variants if v[0] == "fp32" or v[0] in only]
@@ -234,8 +219,9 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
         if weights == "fp32":
             model.use_column_major_weights()  # NOTE: as `create_llm` does for fp32 on CPU
         load_s = time.perf_counter() - start
-        runner = make_runner(model, tokenizer, is_batch_invariant)
-        for n_threads in threads if weights == "int4" else (1,):
+        runner = make_runner(model, tokenizer, is_batch_invariant, is_compiled=weights.endswith("compiled"))
+        load_s = time.perf_counter() - start  # NOTE: with the runner: a compiled one compiles at start-up
+        for n_threads in threads if weights.startswith("int4") else (1,):
             torch.set_num_threads(n_threads)
             outputs = runner_greedy(runner, agree_prompts, AGREE_TOKENS)
             ttft_ms, tok_s = runner_timed_decode(runner, prompt, num_tokens)
@@ -269,7 +255,7 @@ def main() -> None:
     parser.add_argument("--no-invariant", action="store_true", help="runner with batch_invariant false")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from table import format_table
+    from table import cpu_description, format_table
 
     def ints(text: str) -> list[int]:
         return [int(s) for s in text.split(",") if s]
