@@ -52,8 +52,8 @@ class DecoderRunnerConfig:
     """Seeds the generators of requests that give no seed (None: nondeterministic)."""
     compile: bool = False
     """Run steps of one decode row (single-stream decode) through `CompiledDecodeStep`, compiled by
-    AOTInductor at start-up (~30 s and ~0.5 GB more resident for SmolLM2; inductor's cache under
-    `inductor_cache_dir()`); other steps stay eager. Same greedy ids, but the logits are not always
+    AOTInductor at start-up (~30 s; the weights are held twice, and the KV sizing counts them twice;
+    inductor's cache under `inductor_cache_dir()`); other steps stay eager. Same greedy ids, but the logits are not always
     bit-identical to eager ones: a compiled runner is not batch invariant."""
 
     def __post_init__(self) -> None:
@@ -78,9 +78,11 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         norm_weight = model.model.norm.weight
         self.device, self.dtype = norm_weight.device, norm_weight.dtype
         elem = norm_weight.element_size()
+        # NOTE: a compiled decode step holds the weights a second time, as constants of its library.
+        num_weight_bytes = weight_bytes(model) * (2 if config.compile else 1)
         self.plan: KVPlan = plan_kv_cache(
             budget_bytes=config.budget_bytes,
-            weight_bytes=weight_bytes(model),
+            weight_bytes=num_weight_bytes,
             reserve_bytes=activation_reserve_bytes(
                 config.max_step_tokens,
                 config.max_num_seqs,
