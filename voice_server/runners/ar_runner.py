@@ -53,8 +53,8 @@ class DecoderRunnerConfig:
     compile: bool = False
     """Run steps of one decode row (single-stream decode) through `CompiledDecodeStep`, compiled by
     AOTInductor at start-up (~30 s; the weights are held twice, and the KV sizing counts them twice;
-    inductor's cache under `inductor_cache_dir()`); other steps stay eager. Same greedy ids, but the logits are not always
-    bit-identical to eager ones: a compiled runner is not batch invariant."""
+    inductor's cache under `inductor_cache_dir()`); other steps stay eager. Same greedy ids, but the
+    logits are not always bit-identical to eager ones: a compiled runner is not batch invariant."""
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "page_size", "max_step_tokens", "max_num_seqs"):
