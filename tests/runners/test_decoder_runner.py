@@ -222,6 +222,7 @@ def _ctx(args: dict[str, Any], budget: int = 2 << 30) -> StageContext:
         ({"quantization": "int3"}, "factory_args.quantization.*must be one of"),
         ({"dtype": "fp16"}, "factory_args.dtype"),
         ({"page_size": 0}, "factory_args.page_size"),
+        ({"num_threads": 0}, "factory_args.num_threads"),
         ({"compile": "yes"}, "factory_args.compile"),
         ({"sampling": {"top_k": -1}}, "factory_args.sampling.*top_k"),
         ({"model": "/nonexistent"}, "factory_args.model"),
