@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from voice_server.models.gguf_blocks import GROUP_SIZE, q4_1_unpack, q8_0_dequantize, q8_0_unpack
-from voice_server.models.quant_w8a8 import W8A8Linear
+from voice_server.models.quant_w8a8 import PerChannelInt8Linear, W8A8Linear
 
 QUANT_MODES = ("none", "int8", "int4", "w8a8")
 
@@ -146,23 +146,10 @@ def _float_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
 # ---------------------------------------------------------------------------------------------
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(PerChannelInt8Linear):
     """y = x @ (q * scale[:, None]).T + bias with int8 q [N, K]; bf16 activations inside."""
 
-    in_features: int
-    out_features: int
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    bias: torch.Tensor | None
-
-    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        if qweight.dtype != torch.int8 or qweight.dim() != 2:
-            raise ValueError(f"qweight must be int8 [N, K], got {qweight.dtype} {tuple(qweight.shape)}")
-        self.out_features, self.in_features = qweight.shape
-        self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.detach().to(torch.bfloat16).contiguous())
-        self.register_buffer("bias", _float_bias(bias))
+    scale_dtype = torch.bfloat16  # NOTE: `_weight_int8pack_mm` takes its scales in the activation dtype
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:

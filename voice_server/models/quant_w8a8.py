@@ -48,9 +48,11 @@ def quantize_activation_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.div(x, scale).round_().to(torch.int8), scale
 
 
-class W8A8Linear(nn.Module):
-    """y = rowquant(x) @ q.T * row_scale * col_scale + bias, int8 q [N, K] per output channel."""
+class PerChannelInt8Linear(nn.Module):
+    """int8 weights [N, K] with one scale per output channel (`scale_dtype`) and an fp32 bias: the
+    storage `Int8Linear` (weight-only) and `W8A8Linear` share."""
 
+    scale_dtype = torch.float32
     in_features: int
     out_features: int
     qweight: torch.Tensor
@@ -65,8 +67,12 @@ class W8A8Linear(nn.Module):
         if scales.shape != (self.out_features,):
             raise ValueError(f"scales must be [{self.out_features}], got {tuple(scales.shape)}")
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scales", scales.detach().float().contiguous())
+        self.register_buffer("scales", scales.detach().to(self.scale_dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+
+class W8A8Linear(PerChannelInt8Linear):
+    """y = rowquant(x) @ q.T * row_scale * col_scale + bias, int8 q [N, K] per output channel."""
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> W8A8Linear:
