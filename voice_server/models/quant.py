@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from voice_server.models.gguf_blocks import GROUP_SIZE, q4_1_unpack, q8_0_dequantize, q8_0_unpack
+from voice_server.models.gguf_blocks import GROUP_SIZE, q4_1_unpack, q8_0_unpack
 from voice_server.models.quant_w8a8 import PerChannelInt8Linear, W8A8Linear
 
 QUANT_MODES = ("none", "int8", "int4", "w8a8")
@@ -98,17 +98,6 @@ def default_dtype() -> torch.dtype:
 # ---------------------------------------------------------------------------------------------
 
 
-def quantize_int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output row: (q int8 [N, K], scales fp32 [N]), weight ~ q * scale.
-
-    The scale is rounded to bf16 first (the kernel's precision) so q is chosen against it."""
-    w = weight.detach().float()
-    scales = (w.abs().amax(dim=1) / 127.0).to(torch.bfloat16).float()
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scales
-
-
 def quantize_int4_groups(
     weight: torch.Tensor, group_size: int = GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,20 +140,6 @@ class Int8Linear(PerChannelInt8Linear):
 
     scale_dtype = torch.bfloat16  # NOTE: `_weight_int8pack_mm` takes its scales in the activation dtype
 
-    @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        q, scales = quantize_int8_per_channel(weight)
-        return cls(q, scales, bias)
-
-    @classmethod
-    def from_q8_0(cls, raw: object, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Requantised (per 32 -> per row, see the module docstring) from GGUF Q8_0 rows."""
-        return cls.from_float(q8_0_dequantize(raw), bias)
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 weight [N, K] the kernel multiplies by."""
-        return self.qweight.float() * self.scales.float()[:, None]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         out = torch.ops.aten._weight_int8pack_mm(
@@ -174,9 +149,6 @@ class Int8Linear(PerChannelInt8Linear):
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.view(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 class Int4Linear(nn.Module):
@@ -475,7 +447,6 @@ __all__ = [
     "fuse_projections",
     "has_native_bf16",
     "quantize_int4_groups",
-    "quantize_int8_per_channel",
     "quantize_model",
     "quantize_linear",
     "q4_1_unpack",

@@ -24,19 +24,28 @@ requantised symmetrically per output row, so each weight moves by at most half a
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import torch
 from torch import nn
 
+from voice_server.models.gguf_blocks import q4_1_dequantize, q8_0_dequantize
+
+_Linear = TypeVar("_Linear", bound="PerChannelInt8Linear")
 _TINY_SCALE = 1e-30
 """Floor of a row's activation scale: an all-zero row quantises to zeros (no 0/0)."""
 _GEMV_ROWS = 2
 """Up to this many rows, one `_int_mm` GEMV per row beats the M>=2 GEMM kernel (measured)."""
 
 
-def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per row: (q int8 [N, K], scales fp32 [N]) with weight ~ q * scales[:, None]."""
+def quantize_int8_rows(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per row: (q int8 [N, K], scales fp32 [N]) with weight ~ q * scales[:, None].
+
+    The scales are rounded to `scale_dtype` first (the kernel's precision) so q is chosen against them."""
     w = weight.detach().float()
-    scales = w.abs().amax(dim=1) / 127.0
+    scales = (w.abs().amax(dim=1) / 127.0).to(scale_dtype).float()
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scales
@@ -70,32 +79,31 @@ class PerChannelInt8Linear(nn.Module):
         self.register_buffer("scales", scales.detach().to(self.scale_dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
+    @classmethod
+    def from_float(cls: type[_Linear], weight: torch.Tensor, bias: torch.Tensor | None = None) -> _Linear:
+        q, scales = quantize_int8_rows(weight, cls.scale_dtype)
+        return cls(q, scales, bias)
+
+    @classmethod
+    def from_q8_0(cls: type[_Linear], raw: object, bias: torch.Tensor | None = None) -> _Linear:
+        """GGUF Q8_0 rows, requantised per 32 -> per row (see the module docstring)."""
+        return cls.from_float(q8_0_dequantize(raw), bias)
+
+    def dequantize(self) -> torch.Tensor:
+        """The fp32 weight [N, K] the kernel multiplies by (int8 values times their row's scale)."""
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 class W8A8Linear(PerChannelInt8Linear):
     """y = rowquant(x) @ q.T * row_scale * col_scale + bias, int8 q [N, K] per output channel."""
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> W8A8Linear:
-        q, scales = quantize_int8_rows(weight)
-        return cls(q, scales, bias)
-
-    @classmethod
-    def from_q8_0(cls, raw: object, bias: torch.Tensor | None = None) -> W8A8Linear:
-        """GGUF Q8_0 rows, requantised per 32 -> per row (see the module docstring)."""
-        from voice_server.models.gguf_blocks import q8_0_dequantize
-
-        return cls.from_float(q8_0_dequantize(raw), bias)
-
-    @classmethod
     def from_q4_1(cls, raw: object, bias: torch.Tensor | None = None) -> W8A8Linear:
         """GGUF Q4_1 rows, dequantised and requantised to int8 per row."""
-        from voice_server.models.gguf_blocks import q4_1_dequantize
-
         return cls.from_float(q4_1_dequantize(raw), bias)
-
-    def dequantize(self) -> torch.Tensor:
-        """The fp32 weight [N, K] (int8 values times their row's scale)."""
-        return self.qweight.float() * self.scales[:, None]
 
     def int_matmul(self, qx: torch.Tensor) -> torch.Tensor:
         """int8 [M, K] @ qweight.T -> int32 [M, N], exact (the kernel depends on M, the bits do not)."""

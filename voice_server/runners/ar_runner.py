@@ -8,7 +8,6 @@ and decode tokens together), then one vectorised sampling of the sequences that 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -177,7 +176,8 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             logits,
             [s.request_id for s in sampling],
             [s.sampling for s in sampling],
-            [self._history(s.history, s.token_ids, s.sampling) for s in sampling],
+            # NOTE: the scheduler sets `history` exactly when the repetition penalty needs it.
+            [s.history for s in sampling],
         ).tolist()
         outputs = []
         it = iter(sampled)
@@ -198,14 +198,6 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             return self.decode_step(input_ids, positions, ctx)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return self.model.forward_paged(input_ids, positions, ctx, rows)
-
-    @staticmethod
-    def _history(history: Sequence[int], token_ids: Sequence[int], sampling: SamplingParams) -> Sequence[int]:
-        # NOTE: the scheduler sets history only when the penalty needs it; a sequence's own step
-        # tokens are always part of what it has seen.
-        if sampling.repetition_penalty == 1.0:
-            return ()
-        return history or token_ids
 
     def _check(self, batch: ARBatch) -> None:
         """Refuse a batch that would write outside the cache or past the model's positions."""

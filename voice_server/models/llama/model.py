@@ -81,7 +81,6 @@ class LlamaForCausalLM(nn.Module):
         # NOTE: not a buffer: the model may be built on the meta device and materialised by the
         # loader, and a buffer would then hold garbage; this is recomputed per device on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
-        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._signed_rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tie_weights(self) -> None:
@@ -114,25 +113,17 @@ class LlamaForCausalLM(nn.Module):
             inv_freq = self._inv_freq[device] = llama_inv_freq(self.config).to(device)
         return rope_cos_sin(rope_angles(positions, inv_freq), dtype)
 
-    def rope_table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [max_position_embeddings, head_dim] for every position, computed once per device.
+    def signed_rope_table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and `signed_sin` [max_position_embeddings, head_dim] for every position (for
+        `apply_rotary_signed`), computed once per device and dtype.
 
         NOTE: the paged path indexes this table rather than computing cos/sin per step: cheaper, and
         a row's values then cannot depend on how many rows the step has (vectorised vs scalar tails).
         """
         key = (device, dtype)
-        table = self._rope_tables.get(key)
-        if table is None:
-            positions = torch.arange(self.config.max_position_embeddings, device=device)
-            table = self._rope_tables[key] = self.rope_cos_sin(positions, dtype)
-        return table
-
-    def signed_rope_table(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """`rope_table` with sin as `signed_sin` (for `apply_rotary_signed`), computed once per device."""
-        key = (device, dtype)
         table = self._signed_rope_tables.get(key)
         if table is None:
-            cos, sin = self.rope_table(device, dtype)
+            cos, sin = self.rope_cos_sin(torch.arange(self.config.max_position_embeddings, device=device), dtype)
             table = self._signed_rope_tables[key] = (cos, signed_sin(sin))
         return table
 
