@@ -79,6 +79,17 @@ def _q4_1_rows(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]
     return raw.reshape(n, blocks * 20), values.reshape(n, k)
 
 
+def _q8_0_rows(seed: int) -> tuple[np.ndarray, torch.Tensor]:
+    """Random GGUF Q8_0 rows [40, 2 * 34] and their fp32 values (the loader's dequantisation)."""
+    from voice_server.models.llama.dequant import GGML_Q8_0, dequantize_blocks_torch
+
+    rng = np.random.default_rng(seed)
+    d = (rng.random((40, 2)) * 0.01 + 1e-3).astype(np.float16)
+    q = rng.integers(-127, 128, (40, 2, 32), dtype=np.int8)
+    raw = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(40, 68)
+    return raw, dequantize_blocks_torch(raw, GGML_Q8_0)
+
+
 def test_q4_1_direct_equals_dequantise_then_matmul() -> None:
     from voice_server.models.llama.dequant import GGML_Q4_1, dequantize_blocks_torch
 
@@ -94,13 +105,7 @@ def test_q4_1_direct_equals_dequantise_then_matmul() -> None:
 
 
 def test_q8_0_embedding_is_exact_and_int8_requantises() -> None:
-    from voice_server.models.llama.dequant import GGML_Q8_0, dequantize_blocks_torch
-
-    rng = np.random.default_rng(1)
-    d = (rng.random((40, 2)) * 0.01 + 1e-3).astype(np.float16)
-    q = rng.integers(-127, 128, (40, 2, 32), dtype=np.int8)
-    raw = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(40, 68)
-    values = dequantize_blocks_torch(raw, GGML_Q8_0)
+    raw, values = _q8_0_rows(seed=1)
     embed = QuantEmbedding.from_q8_0(raw)
     assert torch.equal(embed.dequantize(), values)
     ids = torch.tensor([[0, 7, 39]])
@@ -163,17 +168,11 @@ def test_w8a8_is_batch_invariant(shape: tuple[int, int]) -> None:
 
 
 def test_w8a8_from_gguf_blocks() -> None:
-    from voice_server.models.llama.dequant import GGML_Q8_0, dequantize_blocks_torch
-
     raw, values = _q4_1_rows(48, 128)
     layer = W8A8Linear.from_q4_1(raw)
     assert torch.equal(layer.qweight, W8A8Linear.from_float(values).qweight)
     assert (layer.dequantize() - values).abs().max() <= values.abs().amax(1).max() / 254 * 1.001
-    rng = np.random.default_rng(7)
-    d = (rng.random((40, 2)) * 0.01 + 1e-3).astype(np.float16)
-    q = rng.integers(-127, 128, (40, 2, 32), dtype=np.int8)
-    raw8 = np.concatenate([d[..., None].view(np.uint8), q.view(np.uint8)], axis=-1).reshape(40, 68)
-    values8 = dequantize_blocks_torch(raw8, GGML_Q8_0)
+    raw8, values8 = _q8_0_rows(seed=7)
     head = W8A8Linear.from_q8_0(raw8)
     assert torch.equal(head.qweight, W8A8Linear.from_float(values8).qweight)
     assert (head.dequantize() - values8).abs().max() <= values8.abs().amax(1).max() / 254 * 1.001
