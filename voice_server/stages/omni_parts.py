@@ -1,0 +1,98 @@
+"""The one reader of the factory_args every Qwen3-Omni stage shares, and the part loader behind them.
+
+factory_args common to the encoder, thinker, talker and code2wav stages:
+- `checkpoint`: a checkpoint directory (config.json + safetensors, the released layout or a
+  `save_pretrained` output). Each stage loads only its own part's weights.
+- `preset`: `tiny` instead of a checkpoint: the tiny test config with seeded dummy weights (`seed`,
+  default 0). Stages given the same preset and seed hold the same weights.
+- `dtype`: `fp32` (default on CPU) or `bf16` (default on CUDA).
+- `num_threads` (null: torch's default): intra-op threads of the stage's process.
+
+A stage module reads its own extra keys after these (`OmniArgs.extra`), so one typo check covers all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from voice_server.config.errors import fail, quoted, show
+from voice_server.engine.runtime import StageContext
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.loading import Part, load_part
+from voice_server.models.qwen3_omni.presets import tiny_config_dict
+
+COMMON_ARGS = ("checkpoint", "preset", "seed", "dtype", "num_threads")
+PRESETS = ("tiny",)
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class OmniArgs:
+    where: str
+    """`stage 'name'`, for errors that name the field."""
+    cfg: Qwen3OmniConfig
+    checkpoint: Path | None
+    seed: int
+    dtype: torch.dtype
+    device: str
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The stage's own keys (already checked against its list of known keys)."""
+
+    def load(self, part: Part) -> nn.Module:
+        """This stage's part: the checkpoint's weights, or the preset's seeded dummy weights."""
+        load_format = "dummy" if self.checkpoint is None else "auto"
+        return load_part(part, self.cfg, self.checkpoint, load_format=load_format, dtype=self.dtype,
+                         device=self.device, seed=self.seed)
+
+    def int_arg(self, key: str, default: int | None, minimum: int) -> int | None:
+        value = self.extra.get(key, default)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise fail(self.where, f"factory_args.{key}", f"must be an integer >= {minimum}, got {show(value)}")
+        return value
+
+
+def read_omni_args(ctx: StageContext, own_keys: tuple[str, ...] = ()) -> OmniArgs:
+    """Check the common keys (and that no unknown key is given), set the thread count, read the config."""
+    stage = ctx.stage
+    where = f"stage {quoted(stage.name)}"
+    args = dict(ctx.args)
+    known = COMMON_ARGS + own_keys
+    unknown = sorted(str(k) for k in args if k not in known)
+    if unknown:
+        raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(known)}")
+    checkpoint, preset = args.get("checkpoint"), args.get("preset")
+    if (checkpoint is None) == (preset is None):
+        raise fail(where, "factory_args.checkpoint", "give exactly one of `checkpoint` (a directory) and `preset`")
+    seed = args.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise fail(where, "factory_args.seed", f"must be an integer >= 0, got {show(seed)}")
+    dtype_name = args.get("dtype", "fp32" if stage.device == "cpu" else "bf16")
+    if dtype_name not in _DTYPES:
+        raise fail(where, "factory_args.dtype", f"must be one of {', '.join(_DTYPES)}, got {show(dtype_name)}")
+    num_threads = args.get("num_threads")
+    if num_threads is not None:
+        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+            raise fail(where, "factory_args.num_threads", f"must be null or an integer >= 1, got {show(num_threads)}")
+        torch.set_num_threads(num_threads)
+    path: Path | None = None
+    if preset is not None:
+        if preset not in PRESETS:
+            raise fail(where, "factory_args.preset", f"must be one of {', '.join(PRESETS)}, got {show(preset)}")
+        cfg = Qwen3OmniConfig.from_hf_dict(tiny_config_dict(), where="preset tiny")
+    else:
+        if not isinstance(checkpoint, str) or not Path(checkpoint).expanduser().is_dir():
+            raise fail(where, "factory_args.checkpoint", f"must be a checkpoint directory, got {show(checkpoint)}")
+        path = Path(checkpoint).expanduser()
+        try:
+            cfg = Qwen3OmniConfig.from_json_file(path)
+        except (OSError, ValueError) as exc:
+            raise fail(where, "factory_args.checkpoint", str(exc)) from exc
+    extra = {k: v for k, v in args.items() if k not in COMMON_ARGS}
+    return OmniArgs(where, cfg, path, seed, _DTYPES[dtype_name], stage.device, extra)
