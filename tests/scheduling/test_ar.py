@@ -8,7 +8,7 @@ import pytest
 from scheduling.ar_fakes import FakeRunner, check_pages, chunk, done, new, result, run_all, step
 
 from voice_server.config import StageConfig
-from voice_server.scheduling import SCHEDULER_BUILDERS, ARScheduler, EmitKind, Runner
+from voice_server.scheduling import SCHEDULER_BUILDERS, ARScheduler, EmitKind, Runner, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec
 
 
@@ -302,3 +302,76 @@ def test_no_busy_wait_while_an_idle_stream_holds_the_pages_a_waiting_request_nee
     assert sched.next_wakeup(0.0) == 0.0
     emits = run_all(sched, runner)
     assert result(emits["s"])["finish_reason"] == result(emits["a"])["finish_reason"] == "length"
+
+
+def test_an_output_limit_holds_sampling_steps_until_it_is_raised() -> None:
+    # NOTE: the talker's case: a frame needs the text vector of upstream input that may not have
+    # arrived yet, so its runner raises `max_num_outputs` as that input arrives.
+    sched, runner = make(max_step_tokens=8)
+    sched.add(WorkItem("t", WorkKind.NEW, {"token_ids": [1, 2, 3], "max_num_outputs": 1}, {"sampling": {}}), 0.0)
+    sched.add(new("free", [4, 5], max_tokens=4), 0.0)
+    emits = run_all(sched, runner)
+    assert [len(e.payload["token_ids"]) for e in emits["t"]] == [1], "one output, then held"
+    assert result(emits["free"])["finish_reason"] == "length", "an ungated request is not held"
+    assert sched.next_wakeup(0.0) is None, "a held request must not keep the loop busy"
+    assert sched.stats()["num_running"] == 1
+    sched.add(WorkItem("t", WorkKind.CHUNK, {"max_num_outputs": 3}), 0.0)
+    emits = run_all(sched, runner)
+    assert len(emits["t"]) == 2 and all(e.kind is EmitKind.STREAM for e in emits["t"])
+    sched.add(WorkItem("t", WorkKind.CHUNK, {"max_num_outputs": None}), 0.0)  # upstream ended: no limit
+    emits = run_all(sched, runner)
+    assert result(emits["t"])["finish_reason"] == "length" and len(result(emits["t"])["token_ids"]) == 256 - 3
+    check_pages(sched)
+    assert sched.stats()["num_used_pages"] == 0
+
+
+def test_a_gated_stream_gets_its_prompt_and_end_in_one_chunk_and_a_limit_never_drops() -> None:
+    sched, runner = make()
+    sched.add(WorkItem("t", WorkKind.NEW, {"token_ids": [], "max_num_outputs": 0}, {}, is_stream=True), 0.0)
+    assert sched.schedule(0.0) is None
+    sched.add(WorkItem("t", WorkKind.CHUNK, {"token_ids": [1, 2], "is_input_done": True, "max_num_outputs": 2}), 0.0)
+    emits = run_all(sched, runner)
+    assert len(emits["t"]) == 2
+    with pytest.raises(ValueError, match="lowered"):
+        sched.add(WorkItem("t", WorkKind.CHUNK, {"max_num_outputs": 1}), 0.0)
+    with pytest.raises(ValueError, match="prompt input after"):
+        sched.add(WorkItem("t", WorkKind.CHUNK, {"token_ids": [3]}), 0.0)
+
+
+def test_a_preempted_gated_request_recomputes_up_to_its_limit_only() -> None:
+    sched, runner = make(num_pages=4, page_size=4, max_step_tokens=16)
+    sched.add(new("grow", [1, 2, 3, 4], max_tokens=8), 0.0)
+    sched.add(WorkItem("t", WorkKind.NEW, {"token_ids": [1, 2, 3, 4, 5], "max_num_outputs": 2}, {}), 0.0)
+    emits = run_all(sched, runner)  # "grow" needs a 5th page at 9 tokens: "t", admitted last, is preempted
+    assert sched.num_preemptions >= 1
+    assert result(emits["grow"])["finish_reason"] == "length"
+    assert len(emits["t"]) == 2
+    sched.add(WorkItem("t", WorkKind.CHUNK, {"max_num_outputs": 3}), 0.0)
+    emits = run_all(sched, runner)
+    assert [e.kind for e in emits["t"]] == [EmitKind.STREAM], "exactly the one newly allowed output"
+    check_pages(sched)
+
+
+def test_tokens_past_the_cacheable_prefix_never_hit_or_fill_the_prefix_cache() -> None:
+    sched, runner = make(page_size=4)
+    prompt = list(range(1, 13))  # positions 8.. stand for audio placeholders: same ids, other audio
+    for rid in ("a", "b"):
+        sched.add(WorkItem(rid, WorkKind.NEW, {"token_ids": prompt, "num_cacheable_tokens": 9},
+                           {"sampling": {"max_tokens": 1}}), 0.0)
+        run_all(sched, runner)
+    stats = sched.stats()
+    assert stats["num_prefix_hit_tokens"] == 8, "only the two pages before position 9"
+    assert stats["num_cached_pages"] == 2
+
+
+def test_a_spec_that_is_not_prefix_cacheable_turns_the_cache_off() -> None:
+    stage = StageConfig("talker", "x.y:z", scheduler="ar", prefix_cache=True)
+
+    class Talkerish(Runner[ARBatch, ARResult]):
+        ar_spec = ARSpec(8, 4, 64, (), is_prefix_cacheable=False)
+
+        def execute(self, batch: ARBatch) -> ARResult:
+            raise NotImplementedError
+
+    sched = SCHEDULER_BUILDERS["ar"](stage, Talkerish())
+    assert isinstance(sched, ARScheduler) and not sched.cache.is_enabled

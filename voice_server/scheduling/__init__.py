@@ -37,7 +37,8 @@ def _build_ar(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
             f"stage '{stage.name}': scheduler 'ar' needs a runner with an `ar_spec` (ARSpec) attribute, "
             f"{type(runner).__name__} has {type(spec).__name__}"
         )
-    return ARScheduler(spec, stage.max_batch_size, stage.max_step_tokens, stage.prefix_cache)
+    is_cached = stage.prefix_cache and spec.is_prefix_cacheable
+    return ARScheduler(spec, stage.max_batch_size, stage.max_step_tokens, is_cached)
 
 
 SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig, AnyRunner], AnyScheduler]] = {

@@ -58,6 +58,8 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
                 raise ValueError("payload.token_ids: the prompt is empty")
             stop = StopChecker(sampling, self.spec.eos_token_ids, self.spec.max_model_len)
             fresh = Request(rid, sampling, stop, [], is_input_done=not item.is_stream)
+            fresh.num_cacheable_tokens = _read_count(item.payload, "num_cacheable_tokens", None)
+            fresh.max_num_outputs = _read_count(item.payload, "max_num_outputs", None)
             self._extend(fresh, token_ids)
             self._requests[rid] = fresh
             self._waiting.append(fresh)
@@ -65,14 +67,35 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         request = self._requests.get(rid)
         if request is None:
             return  # late input of a request that already left (finished, aborted or failed)
-        if request.is_input_done:
-            raise ValueError(f"request {rid}: {item.kind.value} after its input ended")
         if item.kind is WorkKind.CHUNK:
-            self._extend(request, _read_token_ids(item.payload, is_required=True))
+            self._on_chunk(request, item.payload)
+        elif request.is_input_done:
+            raise ValueError(f"request {rid}: done after its input ended")
         elif request.num_tokens == 0:
             raise ValueError(f"request {rid}: input ended with no prompt tokens")
         else:
             request.is_input_done = True
+
+    def _on_chunk(self, request: Request, payload: dict[str, Any]) -> None:
+        """Prompt tokens (`token_ids`, before any output), the end of the prompt (`is_input_done`),
+        and a raised output limit (`max_num_outputs`: an int that never decreases, or None = off)."""
+        token_ids = _read_token_ids(payload, is_required=False)
+        if token_ids or payload.get("is_input_done"):
+            if request.is_input_done:
+                raise ValueError(f"request {request.request_id}: prompt input after its input ended")
+            self._extend(request, token_ids)
+        if payload.get("is_input_done"):
+            if request.num_tokens == 0:
+                raise ValueError(f"request {request.request_id}: input ended with no prompt tokens")
+            request.is_input_done = True
+        if "max_num_outputs" in payload:
+            limit = _read_count(payload, "max_num_outputs", None)
+            if limit is not None and request.max_num_outputs is not None and limit < request.max_num_outputs:
+                raise ValueError(f"payload.max_num_outputs: lowered from {request.max_num_outputs} to {limit}")
+            if request.max_num_outputs is not None:
+                request.max_num_outputs = limit
+        if not {"token_ids", "is_input_done", "max_num_outputs"} & payload.keys():
+            raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
 
     def _extend(self, request: Request, token_ids: list[int]) -> None:
         num_tokens = request.num_tokens + len(token_ids)
@@ -96,8 +119,8 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
     def next_wakeup(self, now: float) -> float | None:
         if self._is_stalled:
             return None
-        has_work = any(r.num_pending_tokens > 0 for r in self._running) or any(
-            r.num_target_tokens > 0 for r in self._waiting)
+        has_work = any(r.num_ready_tokens > 0 for r in self._running) or any(
+            r.num_ready_target_tokens > 0 for r in self._waiting)
         return 0.0 if has_work else None
 
     def schedule(self, now: float) -> ARBatch | None:
@@ -109,12 +132,12 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         """Request id -> tokens to compute this step, in batch order."""
         is_preempted = False
         # NOTE: decodes first (a token each keeps every stream moving), then prefill chunks FCFS.
-        order = [r for r in self._running if r.num_pending_tokens == 1]
-        order += [r for r in self._running if r.num_pending_tokens > 1]
+        order = [r for r in self._running if r.num_ready_tokens == 1]
+        order += [r for r in self._running if r.num_ready_tokens > 1]
         for request in order:
             if request not in self._running:
                 continue  # preempted for an earlier request of this step
-            num = min(request.num_pending_tokens, budget)
+            num = min(request.num_ready_tokens, budget)
             if num == 0:
                 continue
             while not self._grow(request, request.num_computed_tokens + num):
@@ -143,9 +166,9 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         """One step of the next suspect alone: a culprit then fails by itself, the others go on."""
         while self._suspects:
             request = self._requests.get(self._suspects.popleft())
-            if request is None or request not in self._running or request.num_pending_tokens == 0:
+            if request is None or request not in self._running or request.num_ready_tokens == 0:
                 continue
-            num = min(request.num_pending_tokens, self.max_step_tokens)
+            num = min(request.num_ready_tokens, self.max_step_tokens)
             if self._grow(request, request.num_computed_tokens + num):
                 return ARBatch((self._seq(request, num),))
         return None
@@ -154,11 +177,11 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         for request in list(self._waiting):
             if len(self._running) >= self.max_batch_size or budget == 0:
                 break
-            if request.num_target_tokens == 0:
+            if request.num_ready_target_tokens == 0:
                 continue  # streaming input with nothing to compute yet: it must not block the rest
-            hit_pages = self.cache.match(request.token_ids)
+            hit_pages = self.cache.match(request.token_ids[: request.num_cacheable_tokens])
             num_hit = len(hit_pages) * self.page_size
-            num = min(request.num_target_tokens - num_hit, budget)
+            num = min(request.num_ready_target_tokens - num_hit, budget)
             if num <= 0:
                 continue
             self.cache.acquire(hit_pages)
@@ -225,7 +248,10 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
     def _commit_pages(self, request: Request) -> None:
         """Register the pages this step filled, so a request with the same prefix can hit them."""
         size = self.page_size
-        for i in range(len(request.page_keys), request.num_computed_tokens // size):
+        num_cacheable = request.num_computed_tokens
+        if request.num_cacheable_tokens is not None:
+            num_cacheable = min(num_cacheable, request.num_cacheable_tokens)
+        for i in range(len(request.page_keys), num_cacheable // size):
             parent: PageKey = request.page_keys[-1] if request.page_keys else b""
             request.page_keys.append(
                 self.cache.commit(parent, request.token_ids[i * size:(i + 1) * size], request.page_ids[i]))
@@ -304,6 +330,13 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
             "num_prefix_hit_tokens": self.cache.num_hit_tokens,
             "num_prefix_query_tokens": self.cache.num_query_tokens,
         }
+
+
+def _read_count(payload: dict[str, Any], key: str, default: int | None) -> int | None:
+    value = payload.get(key, default)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"payload.{key}: must be null or an integer >= 0, got {value!r}")
+    return value
 
 
 def _read_token_ids(payload: dict[str, Any], is_required: bool) -> list[int]:

@@ -26,6 +26,13 @@ class Request:
     num_cached_tokens: int | None = None
     """Prompt tokens served by the prefix cache at first admission (None until admitted)."""
     num_preemptions: int = 0
+    max_num_outputs: int | None = None
+    """Output tokens this request may have so far (None: no limit but its stop conditions). A
+    feedback stage's runner raises it as upstream input arrives (the talker makes a frame only once
+    the text vector it feeds in is known); a sampling step beyond it waits."""
+    num_cacheable_tokens: int | None = None
+    """Leading tokens whose ids alone determine their keys/values (None: all). Tokens past it (audio
+    placeholders, whose embeddings come from the audio) never hit or fill the prefix cache."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
@@ -51,6 +58,22 @@ class Request:
     @property
     def num_pending_tokens(self) -> int:
         return self.num_target_tokens - self.num_computed_tokens
+
+    @property
+    def is_output_gated(self) -> bool:
+        """The step that reaches the last known token would sample an output it may not have yet."""
+        return (self.is_input_done and self.max_num_outputs is not None
+                and self.num_tokens - self.num_prompt_tokens >= self.max_num_outputs)
+
+    @property
+    def num_ready_target_tokens(self) -> int:
+        """`num_target_tokens`, but a gated request stops one short of the sampling step."""
+        return max(0, self.num_target_tokens - (1 if self.is_output_gated else 0))
+
+    @property
+    def num_ready_tokens(self) -> int:
+        """Tokens a step may compute for this request now."""
+        return max(0, self.num_ready_target_tokens - self.num_computed_tokens)
 
     def extend_prompt(self, token_ids: list[int]) -> None:
         self.token_ids.extend(token_ids)

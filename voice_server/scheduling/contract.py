@@ -49,6 +49,9 @@ class ARSpec:
     """Longest sequence (prompt + output) the model accepts."""
     eos_token_ids: tuple[int, ...] = ()
     """Stop tokens on by default (a request may turn them off with `ignore_eos`)."""
+    is_prefix_cacheable: bool = True
+    """Whether token ids alone determine the keys/values (false for a stage fed embeddings, e.g.
+    the talker: the prefix cache is then off whatever the stage's `prefix_cache` says)."""
 
     def __post_init__(self) -> None:
         for name in ("num_pages", "page_size", "max_model_len"):
