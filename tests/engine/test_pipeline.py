@@ -39,6 +39,18 @@ def test_streams_ordered_chunks_through_three_stages(numeric: Pipeline) -> None:
     check_outputs(numeric.collect({"signal": signal}), signal)
 
 
+def test_outputs_carry_each_stages_first_output_time(numeric: Pipeline) -> None:
+    # NOTE: the first-audio latency accounting: submit, then each stage's first output, on one clock.
+    before = time.monotonic()
+    outputs = numeric.collect({"signal": np.ones(FRAME_LEN * 3, dtype=np.float32)})
+    after = time.monotonic()
+    stamps = [o.timings for o in outputs]
+    assert all(set(t) == {"submit", "framer", "transform", "sink"} for t in stamps), stamps
+    first = stamps[0]
+    assert before <= first["submit"] <= first["framer"] <= first["transform"] <= first["sink"] <= after
+    assert all(t == first for t in stamps), "a stage's first-output time never moves"
+
+
 def test_small_frames_travel_inline(numeric: Pipeline) -> None:
     signal = np.linspace(-1, 1, 100, dtype=np.float32)
     check_outputs(numeric.collect({"signal": signal}), signal)

@@ -189,7 +189,9 @@ class Coordinator:
         except zmq.ZMQError as exc:
             raise OverloadError(f"server busy: {exc}") from exc
         try:
-            data = self.codec.encode(NewRequest(request_id, entry, payload, params), consumer=process)
+            submitted = {"submit": time.monotonic()}
+            data = self.codec.encode(NewRequest(request_id, entry, payload, params, timings=submitted),
+                                     consumer=process)
         except (RelayFullError, OSError, TypeError, ValueError, OverflowError) as exc:
             # NOTE: pack frees its relay slots itself
             if is_exhaustion(exc):
@@ -272,7 +274,8 @@ class Coordinator:
             # their slots returned at once.
             payload = _detach(msg.payload) if refs else msg.payload
             self._ack(refs)
-            if not self._requests.deliver(TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final)):
+            output = TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final, dict(msg.timings))
+            if not self._requests.deliver(output):
                 self._drop(f"dropped an Output of {msg.stage!r}, which is not a pending terminal stage")
             return
         self._ack(refs)

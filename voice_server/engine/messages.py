@@ -29,6 +29,9 @@ class NewRequest:
     params: dict[str, Any] = field(default_factory=dict)
     is_stream: bool = False
     """The input follows as StreamChunks until StreamDone (sent to a `stream_to` stage)."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """`submit` and stage name -> CLOCK_MONOTONIC time of its first output for this request, as
+    far as the sender knows (first-audio latency per stage; see `TerminalOutput.timings`)."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class StreamChunk:
     stage: str
     seq: int
     payload: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Output:
     stage: str
     is_final: bool
     payload: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -39,6 +39,10 @@ class TerminalOutput:
     payload: dict[str, Any]
     is_final: bool
     """The last output of this stage for the request."""
+    timings: dict[str, float] = field(default_factory=dict)
+    """`submit` and, for each stage this output passed through (the stage itself included), the
+    CLOCK_MONOTONIC time of that stage's first output for the request: e.g. encoder done, thinker
+    first token, talker first frame, code2wav first PCM chunk. Same clock as `time.monotonic()`."""
 
 
 @dataclass

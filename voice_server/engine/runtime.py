@@ -63,11 +63,14 @@ class StageRuntime:
     """Request id -> relay slots this stage reads; acked when the request leaves the stage."""
     num_chunks_received: dict[str, int] = field(default_factory=dict)
     """Request id -> upstream stream chunks received so far (a gap fails the request)."""
+    timings: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Request id -> first-output times of this stage and those upstream (`NewRequest.timings`)."""
 
     def forget(self, request_id: str) -> list[ShmRef]:
         """The request left the stage: drop its state, return the relay slots to ack."""
         self.params.pop(request_id, None)
         self.num_chunks_sent.pop(request_id, None)
         self.num_chunks_received.pop(request_id, None)
+        self.timings.pop(request_id, None)
         self.runner.release(request_id)
         return self.held_refs.pop(request_id, [])

@@ -251,6 +251,7 @@ class StageShell:
                 return
             runtime.params[rid] = msg.params
             runtime.num_chunks_received[rid] = 0
+            runtime.timings[rid] = dict(msg.timings)
             item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params, is_stream=msg.is_stream)
         elif rid not in runtime.scheduler.active_request_ids:
             self._ack(refs)  # late chunk of a request that already left this stage
@@ -268,6 +269,10 @@ class StageShell:
                 return
             if isinstance(msg, StreamChunk):
                 runtime.num_chunks_received[rid] = num_received + 1
+                if msg.timings:
+                    # NOTE: upstream stamps (e.g. the thinker's first token) reach a stream consumer
+                    # with the chunks, which may come after its NewRequest.
+                    runtime.timings.setdefault(rid, {}).update(msg.timings)
                 item = WorkItem(rid, WorkKind.CHUNK, msg.payload, runtime.params.get(rid, {}), msg.seq)
             else:
                 item = WorkItem(rid, WorkKind.DONE, {}, runtime.params.get(rid, {}), msg.num_chunks)
@@ -304,19 +309,21 @@ class StageShell:
             return
         params = runtime.params.get(rid, {})
         sent = runtime.num_chunks_sent.setdefault(rid, {})
+        timings = runtime.timings.setdefault(rid, {})
+        timings.setdefault(stage.name, time.monotonic())  # NOTE: this stage's first output for the request
         for target in stage.stream_to:
             if target not in sent:  # open the downstream stream even if it will stay empty
-                self._send_stage(target, NewRequest(rid, target, {}, params, is_stream=True))
+                self._send_stage(target, NewRequest(rid, target, {}, params, is_stream=True, timings=timings))
                 sent[target] = 0
             if emit.kind is EmitKind.STREAM:
-                self._send_stage(target, StreamChunk(rid, target, sent[target], emit.payload))
+                self._send_stage(target, StreamChunk(rid, target, sent[target], emit.payload, timings))
                 sent[target] += 1
             else:
                 self._send_stage(target, StreamDone(rid, target, sent[target]))
         if emit.kind is EmitKind.RESULT and stage.next is not None:
-            self._send_stage(stage.next, NewRequest(rid, stage.next, emit.payload, params))
+            self._send_stage(stage.next, NewRequest(rid, stage.next, emit.payload, params, timings=timings))
         if stage.terminal:
-            self._send(ipc.COORDINATOR, Output(rid, stage.name, emit.is_final, emit.payload))
+            self._send(ipc.COORDINATOR, Output(rid, stage.name, emit.is_final, emit.payload, timings))
         if emit.is_final:
             self._ack(runtime.forget(rid))
 
