@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
-from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM
+from voice_server.models.llama import GGUFTokenizer, LlamaConfig, LlamaForCausalLM
 from voice_server.models.paged import AttentionContext, PagedKVCache, build_attention_context
 from voice_server.models.quant import LINEAR_TYPES
 from voice_server.runners.admission import AdmissionRules, admit
@@ -27,7 +29,7 @@ from voice_server.runners.sizing import (
     weight_bytes,
 )
 from voice_server.scheduling import Runner, WorkItem
-from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SamplingParams, SeqOutput
+from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SamplingParams, SeqOutput
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,49 @@ class DecoderRunnerConfig:
             raise ValueError(f"DecoderRunnerConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
 
 
-class DecoderRunner(Runner[ARBatch, ARResult]):
-    def __init__(self, model: LlamaForCausalLM, tokenizer: GGUFTokenizer | None, config: DecoderRunnerConfig) -> None:
-        cfg = model.config
+@dataclass(frozen=True)
+class DecoderShape:
+    """What the runner needs to know of a decoder to size and run its paged KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    """Widest MLP activation (sizes the activation reserve)."""
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def of_llama(cls, cfg: LlamaConfig) -> DecoderShape:
         if cfg.layer_types and "sliding_attention" in cfg.layer_types:
             raise ValueError("DecoderRunner: sliding-window attention layers are not supported by the paged cache")
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size,
+                   cfg.intermediate_size, cfg.vocab_size, cfg.max_position_embeddings, tuple(cfg.eos_token_ids))
+
+
+class DecoderRunner(Runner[ARBatch, ARResult]):
+    """The one AR step loop. Subclasses for other decoders (the Qwen3-Omni thinker) override
+    `_forward` (what the rows are fed) and `_output_data` (what streams out with each token)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: GGUFTokenizer | None,
+        config: DecoderRunnerConfig,
+        shape: DecoderShape | None = None,
+        norm_weight: torch.Tensor | None = None,
+    ) -> None:
+        if shape is None:
+            assert isinstance(model, LlamaForCausalLM)
+            shape = DecoderShape.of_llama(model.config)
+            norm_weight = model.model.norm.weight
+        assert norm_weight is not None, "a non-Llama decoder names its final norm weight"
+        cfg = shape
+        self.model, self.tokenizer, self.config, self.shape = model, tokenizer, config, shape
         # NOTE: the final norm's dtype is the residual stream's, which the KV cache takes (quantised
         # models hold int8/int4 weights next to it).
-        norm_weight = model.model.norm.weight
         self.device, self.dtype = norm_weight.device, norm_weight.dtype
         elem = norm_weight.element_size()
         # NOTE: a compiled decode step holds the weights a second time, as constants of its library.
@@ -91,16 +127,16 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
                 elem,
             ),
             bytes_per_page=PagedKVCache.bytes_per_page(
-                cfg.num_hidden_layers, config.page_size, cfg.num_key_value_heads, cfg.head_dim, self.dtype
+                cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
             ),
             page_size=config.page_size,
             max_model_len=min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings),
         )
         self.cache = PagedKVCache(
-            cfg.num_hidden_layers,
+            cfg.num_layers,
             self.plan.num_pages,
             config.page_size,
-            cfg.num_key_value_heads,
+            cfg.num_kv_heads,
             cfg.head_dim,
             self.dtype,
             self.device,
@@ -125,8 +161,12 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         )
         self.sampler = Sampler(config.sampler_seed)
         self.detok = Detokenizer(token_bytes_table(tokenizer.tokenizer)) if tokenizer is not None else None
-        model.signed_rope_table(self.device, self.dtype)  # NOTE: built now, not inside the first request
-        self.decode_step = CompiledDecodeStep(model, self.cache) if config.compile else None
+        self.decode_step: CompiledDecodeStep | None = None
+        if isinstance(model, LlamaForCausalLM):
+            model.signed_rope_table(self.device, self.dtype)  # NOTE: built now, not inside the first request
+            self.decode_step = CompiledDecodeStep(model, self.cache) if config.compile else None
+        elif config.compile:
+            raise ValueError("compile: only Llama-family decoders have a compiled decode step")
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
             "max_model_len %d, %d-row steps",
@@ -166,11 +206,11 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             if seq.is_sampling:
                 sampling_rows.append(last_row)
         if not sampling_rows:
-            self._forward(ids, positions, ctx, [0] * self.min_rows)
+            self._forward(seqs, ids, positions, ctx, [0] * self.min_rows)
             return ARResult(tuple(SeqOutput(None) for _ in seqs))
         # NOTE: the lm_head is a matrix product too: pad its rows like the step's.
         logits_rows = sampling_rows + [sampling_rows[-1]] * (self.min_rows - len(sampling_rows))
-        logits = self._forward(ids, positions, ctx, logits_rows)[: len(sampling_rows)]
+        logits = self._forward(seqs, ids, positions, ctx, logits_rows)[: len(sampling_rows)]
         sampling = [s for s in seqs if s.is_sampling]
         sampled = self.sampler.sample(
             logits,
@@ -187,17 +227,28 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
                 continue
             token = int(next(it))
             text = self.detok.step(seq.request_id, token) if self.detok is not None else ""
-            outputs.append(SeqOutput(token, text))
+            outputs.append(SeqOutput(token, text, self._output_data(seq, token)))
         return ARResult(tuple(outputs))
 
     def _forward(
-        self, ids: list[int], positions: torch.Tensor, ctx: AttentionContext, logits_rows: list[int]
+        self,
+        seqs: tuple[ARSeq, ...],
+        ids: list[int],
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        logits_rows: list[int],
     ) -> torch.Tensor:
+        """The step's flat rows (`ids`, padding last) -> logits [len(logits_rows), V]."""
+        assert isinstance(self.model, LlamaForCausalLM)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         if self.decode_step is not None and len(ids) == 1 and logits_rows == [0]:
             return self.decode_step(input_ids, positions, ctx)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         return self.model.forward_paged(input_ids, positions, ctx, rows)
+
+    def _output_data(self, seq: ARSeq, token: int) -> dict[str, Any]:
+        """Extra outputs streamed with a sampled token (none for a plain text decoder)."""
+        return {}
 
     def _check(self, batch: ARBatch) -> None:
         """Refuse a batch that would write outside the cache or past the model's positions."""

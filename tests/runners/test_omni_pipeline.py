@@ -1,0 +1,215 @@
+"""The streaming Qwen3-Omni pipeline (encoder -> thinker -> talker -> code2wav, one process each) on
+the tiny config against transformers' `generate(return_audio=True)` on the same weights.
+
+The tiny HF model is written with `save_pretrained` and every stage loads its part from that folder.
+Per request: the thinker's text ids, the talker's codes and the streamed waveform equal the
+reference's (waveform within 1e-4; ours also streams the decoder's last `lookahead` samples, which
+the reference trims). Also: aborts free every page and stream, and a request that fails in one
+stage ends with an error while the others complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from harness import Pipeline, shm_segments
+
+from voice_server.config import pipeline_from_dict
+from voice_server.engine.requests import RequestError
+from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
+from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
+from voice_server.models.qwen3_omni.code2wav.streaming import lookahead_samples
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict, tiny_prompt_ids
+
+torch.set_num_threads(1)
+MAX_NEW_TOKENS = 6
+MAX_FRAMES = 7
+
+
+@torch.no_grad()
+def _randomize_(model: torch.nn.Module, seed: int = 0) -> None:
+    # NOTE: as tests/models/qwen3_omni/test_turn.py: HF leaves many params trivial; set every one.
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        r = torch.randn(p.shape, generator=g)
+        p.copy_(1.0 + 0.05 * r if p.ndim == 1 and "norm" in name else 0.1 * r)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**tiny_config_dict()))
+    _randomize_(ref.eval())
+    ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni")
+    ref.save_pretrained(ckpt)
+    return ref, ckpt
+
+
+def omni_config(ckpt: Path) -> dict[str, Any]:
+    common = {"checkpoint": str(ckpt), "num_threads": 1}
+    return {
+        "name": "omni-test",
+        "stages": [
+            {"name": "encoder", "factory": "voice_server.stages.audio_encoder:create_audio_encoder",
+             "next": "thinker", "max_batch_size": 4, "factory_args": common},
+            {"name": "thinker", "factory": "voice_server.stages.thinker:create_thinker", "scheduler": "ar",
+             "terminal": True, "stream_to": ["talker"], "max_batch_size": 8, "max_step_tokens": 64,
+             "factory_args": {**common, "sampling": {"max_tokens": MAX_NEW_TOKENS}}},
+            # NOTE: terminal here so the test sees the codes; a deployment streams only text and audio.
+            {"name": "talker", "factory": "voice_server.stages.talker:create_talker", "scheduler": "ar",
+             "terminal": True, "stream_to": ["code2wav"], "max_batch_size": 8, "max_step_tokens": 64,
+             "factory_args": {**common, "max_frames": MAX_FRAMES}},
+            {"name": "code2wav", "factory": "voice_server.stages.code2wav:create_code2wav", "scheduler": "code2wav",
+             "terminal": True, "max_batch_size": 8, "factory_args": common},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def omni(reference: tuple[torch.nn.Module, Path]) -> Iterator[Pipeline]:
+    pipeline = Pipeline(pipeline_from_dict(omni_config(reference[1])))
+    yield pipeline
+    pipeline.close()
+    assert shm_segments(pipeline.coordinator.launch_id) == []
+
+
+def _pcm(num_samples: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(num_samples) / 16000
+    wave = 0.3 * np.sin(2 * np.pi * (180 + 20 * seed) * t) * (1 + np.sin(2 * np.pi * 3 * t))
+    return (wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def requests() -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(our payload, the reference's generate kwargs): text prompts and audio prompts of different lengths."""
+    out = []
+    for i, num_text in enumerate((2, 9, 4, 14, 6)):
+        ids = tiny_prompt_ids(num_user_text=num_text)
+        out.append(({"token_ids": ids}, {"input_ids": torch.tensor([ids])}))
+    for seed, num_samples in ((1, 12_000), (2, 19_000), (3, 27_000)):
+        pcm = _pcm(num_samples, seed)
+        mel = LogMelFrontEnd(num_mel_bins=16)([pcm])
+        full = tiny_prompt_ids(num_user_text=3, num_audio_tokens=num_audio_tokens(int(mel.feature_lens[0])))
+        ours = {"token_ids": tiny_prompt_ids(num_user_text=3, num_audio_tokens=1), "audio": [pcm]}
+        out.append((ours, {"input_ids": torch.tensor([full]), "input_features": mel.features,
+                           "feature_attention_mask": mel.attention_mask,
+                           "attention_mask": torch.ones(1, len(full), dtype=torch.long)}))
+    return out
+
+
+def hf_turn(ref: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    captured: list[torch.Tensor] = []
+    decode = ref.code2wav.chunked_decode
+
+    def spy(codes: torch.Tensor, **kw: object) -> torch.Tensor:
+        captured.append(codes.clone())
+        return decode(codes, **kw)
+
+    ref.code2wav.chunked_decode = spy
+    try:
+        with torch.no_grad():
+            text_ids, wav = ref.generate(
+                speaker="Ethan", thinker_max_new_tokens=MAX_NEW_TOKENS, thinker_do_sample=False,
+                thinker_eos_token_id=TINY_IDS["im_end"], talker_max_new_tokens=MAX_FRAMES + 1,
+                talker_do_sample=False, **kwargs,
+            )
+    finally:
+        del ref.code2wav.chunked_decode
+    return text_ids[0], captured[0][0], wav.reshape(-1)
+
+
+def submit_all(omni: Pipeline, payloads: list[dict[str, Any]], stagger_s: float) -> list[list[Any]]:
+    async def one(i: int, payload: dict[str, Any]) -> list[Any]:
+        await asyncio.sleep(i * stagger_s)
+        return [o async for o in omni.coordinator.submit(payload)]
+
+    async def go() -> list[list[Any]]:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(payloads)), return_exceptions=True)
+
+    return omni.run(go(), timeout=300)
+
+
+def by_stage(outputs: list[Any], stage: str) -> list[dict[str, Any]]:
+    return [o.payload for o in outputs if o.stage == stage]
+
+
+def test_eight_staggered_requests_stream_what_the_reference_generates(
+    omni: Pipeline, reference: tuple[torch.nn.Module, Path]
+) -> None:
+    ref, ckpt = reference
+    cases = requests()
+    outputs = submit_all(omni, [payload for payload, _ in cases], stagger_s=0.1)
+    lookahead = lookahead_samples(Qwen3OmniConfig.from_json_file(ckpt).code2wav)
+    for (payload, kwargs), got in zip(cases, outputs, strict=True):
+        assert not isinstance(got, BaseException), got
+        text_ids, codes, wav = hf_turn(ref, kwargs)
+        thinker = by_stage(got, "thinker")
+        assert kwargs["input_ids"][0].tolist() + thinker[-1]["token_ids"] == text_ids.tolist()
+        frames = [p["codes"] for p in by_stage(got, "talker") if "codes" in p]
+        assert torch.equal(torch.cat([torch.as_tensor(f) for f in frames], dim=1), codes)
+        pcm = torch.cat([torch.as_tensor(p["pcm"]).reshape(-1) for p in by_stage(got, "code2wav") if "pcm" in p])
+        assert pcm.shape[0] == wav.shape[0] + lookahead
+        err = (pcm[: wav.shape[0]] - wav).abs().max().item()
+        assert err <= 1e-4, err
+        assert wav.abs().max() > 1e-3
+
+
+def counters(omni: Pipeline, stage: str) -> dict[str, int]:
+    return omni.run(omni.coordinator.stats())[stage].counters[stage]
+
+
+def wait_idle(omni: Pipeline) -> None:
+    deadline = time.monotonic() + 10
+    while True:
+        busy = {s: c for s in ("thinker", "talker") if (c := counters(omni, s))["num_used_pages"] or c["num_running"]}
+        if not busy:
+            return
+        assert time.monotonic() < deadline, busy
+        time.sleep(0.05)
+
+
+def test_abort_mid_stream_frees_both_ar_stages_and_ends_the_vocoder_stream(omni: Pipeline) -> None:
+    long_reply = {"token_ids": tiny_prompt_ids(num_user_text=5)}
+
+    async def go() -> list[Any]:
+        stream = omni.coordinator.submit(long_reply, {"talker": {"max_frames": 4000},
+                                                      "sampling": {"max_tokens": 200, "ignore_eos": True}})
+        seen = []
+        async for out in stream:
+            seen.append(out)
+            if out.stage == "code2wav":
+                break  # first audio is out: the consumer walks away mid-stream
+        await stream.aclose()
+        return seen
+
+    seen = omni.run(go(), timeout=120)
+    assert any(o.stage == "code2wav" for o in seen)
+    wait_idle(omni)
+    assert counters(omni, "code2wav").get("num_streams", 0) == 0
+
+
+def test_a_request_refused_by_one_stage_fails_alone(omni: Pipeline, reference: tuple[torch.nn.Module, Path]) -> None:
+    good = {"token_ids": tiny_prompt_ids(num_user_text=4)}
+
+    async def go() -> list[Any]:
+        async def run(payload: dict[str, Any], params: dict[str, Any]) -> Any:
+            try:
+                return [o async for o in omni.coordinator.submit(payload, params)]
+            except RequestError as exc:
+                return exc
+        return await asyncio.gather(run(good, {}), run(good, {"talker": {"speaker": "nobody"}}), run(good, {}))
+
+    first, bad, last = omni.run(go(), timeout=120)
+    assert isinstance(bad, RequestError) and "speaker" in str(bad)
+    for got in (first, last):
+        assert not isinstance(got, RequestError)
+        assert any(o.stage == "code2wav" and o.is_final for o in got)
+    wait_idle(omni)

@@ -1,0 +1,148 @@
+"""Per-request talker input while the thinker is still decoding: the streaming side of the talker.
+
+The thinker streams one chunk per reply token t1, t2, ... (`ThinkerRunner._output_data`), the first
+also with the prompt. Following transformers' `generate` (which runs the talker after the thinker):
+- the talker prefill needs the reply's first token t1, and that t1 is not the reply's last token
+  (the thinker never feeds its last generated token back, so the last one is not part of the talker
+  text): it is built once t2 or the thinker's end arrives;
+- frame 0 comes from the prefill; frame m + 1 is fed `codec_sum(frame m) + text_vector(m)`, where
+  the text vectors are t2 .. t(n-1) (tn, the thinker's last token, is never fed back), then tts_eos
+  once the thinker ended, then tts_pad forever. So t(k) is a text vector once t(k+1) arrives.
+So the talker may have `1 + number of known text vectors` frames (unlimited after the thinker's end),
+which its runner passes to the scheduler as `max_num_outputs`. Every input row a step may need is
+rebuilt from stored vectors, so a preempted request recomputes exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.scheduling import AdmissionError
+
+_PROMPT_KEYS = ("prompt_ids", "prompt_embeds", "mm_hidden", "tts_embeds")
+
+
+@dataclass
+class TalkerFeed:
+    speaker: str
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_embeds: torch.Tensor | None = None
+    mm_hidden: torch.Tensor | None = None
+    tts_embeds: torch.Tensor | None = None
+    reply_embeds: list[torch.Tensor] = field(default_factory=list)
+    """Thinker input embeddings [H_thinker] of the reply tokens received, t1 first."""
+    is_thinker_done: bool = False
+    prefill: torch.Tensor | None = None
+    """Talker input rows of the prefill [L, H] once built."""
+    text_vectors: list[torch.Tensor] = field(default_factory=list)
+    """Projected trailing text vectors [H] known so far (tts_eos last once the thinker ended)."""
+    tts_pad: torch.Tensor | None = None
+    codec_sums: list[torch.Tensor] = field(default_factory=list)
+    """Per frame: the sum of its G codebook embeddings [H]."""
+    code0_seen: torch.Tensor | None = None
+    """[V] bool: code-0 ids chosen so far (repetition penalty)."""
+
+    @property
+    def max_num_outputs(self) -> int | None:
+        if self.prefill is None:
+            return 0
+        return None if self.is_thinker_done else 1 + len(self.text_vectors)
+
+    def add_chunk(self, payload: dict[str, Any], hidden_size: int) -> None:
+        """One thinker chunk: a reply token's `embed` [1, H] (the first also with the prompt)."""
+        if not self.reply_embeds:
+            missing = [k for k in _PROMPT_KEYS if k not in payload]
+            if missing:
+                raise AdmissionError(f"chunk payload: the first thinker chunk lacks {', '.join(missing)}")
+            self.prompt_ids = _ids("chunk payload.prompt_ids", payload["prompt_ids"])
+            self.prompt_embeds = _rows("chunk payload.prompt_embeds", payload["prompt_embeds"], hidden_size,
+                                       len(self.prompt_ids))
+            self.mm_hidden = _rows("chunk payload.mm_hidden", payload["mm_hidden"], hidden_size, None)
+            self.tts_embeds = _rows("chunk payload.tts_embeds", payload["tts_embeds"], hidden_size, 3)
+        self.reply_embeds.append(_rows("chunk payload.embed", payload.get("embed"), hidden_size, 1)[0])
+
+    def advance(self, talker: Talker, ids: TurnTokenIds) -> list[int] | None:
+        """Build the prefill and text vectors the received input allows; the prefill's placeholder
+        token ids when it was just built (the scheduler counts positions by them), else None."""
+        # NOTE: the thinker's last token (EOS, or the one that hit max_tokens) is never fed back, so
+        # the talker text is every reply token but the last received: a token counts once another
+        # follows it, and the thinker's end adds none.
+        num_consumed = len(self.reply_embeds) - 1
+        built = None
+        if self.prefill is None:
+            if num_consumed < 1:
+                if self.is_thinker_done:
+                    raise AdmissionError("the thinker's reply has no token to speak")
+                return None
+            self.prefill = self._build_prefill(talker, ids)
+            built = [0] * self.prefill.shape[0]
+        # Text vector m is reply token m + 2 (t1 went into the prefill).
+        while len(self.text_vectors) < num_consumed - 1:
+            embed = self.reply_embeds[len(self.text_vectors) + 1]
+            self.text_vectors.append(talker.text_projection(embed.to(self._dtype(talker))[None])[0])
+        if self.is_thinker_done and len(self.text_vectors) == max(0, num_consumed - 1):
+            assert self.tts_embeds is not None
+            self.text_vectors.append(talker.text_projection(self.tts_embeds[1:2].to(self._dtype(talker)))[0])
+        return built
+
+    def _build_prefill(self, talker: Talker, ids: TurnTokenIds) -> torch.Tensor:
+        assert self.prompt_embeds is not None and self.mm_hidden is not None and self.tts_embeds is not None
+        dtype = self._dtype(talker)
+        device = self.prompt_embeds.device
+        token_ids = torch.tensor([*self.prompt_ids, 0], device=device)  # t1's id is never read
+        embeds = torch.cat((self.prompt_embeds, self.reply_embeds[0][None])).to(dtype)
+        hidden = torch.zeros_like(embeds)
+        is_audio = token_ids == ids.audio
+        is_audio[-1] = False
+        if int(is_audio.sum()) != self.mm_hidden.shape[0]:
+            raise AdmissionError(f"chunk payload.mm_hidden: {self.mm_hidden.shape[0]} rows for "
+                                 f"{int(is_audio.sum())} audio positions of the prompt")
+        hidden[is_audio] = self.mm_hidden.to(dtype)
+        try:
+            prefill = build_talker_prefill(talker, ids, token_ids, len(self.prompt_ids), embeds, hidden,
+                                           self.tts_embeds, self.speaker)
+        except (ValueError, NotImplementedError) as exc:
+            raise AdmissionError(f"talker prefill: {exc}") from exc
+        self.tts_pad = prefill.tts_pad[0, 0]
+        return prefill.inputs_embeds[0]
+
+    def input_rows(self, start: int, end: int) -> torch.Tensor:
+        """Talker input rows of positions [start, end) (prefill rows, then feedback rows)."""
+        assert self.prefill is not None
+        num_prefill = self.prefill.shape[0]
+        rows = [self.prefill[start:min(end, num_prefill)]]
+        for m in range(max(start, num_prefill) - num_prefill, end - num_prefill):
+            rows.append((self.codec_sums[m] + self.text_vector(m))[None])
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def text_vector(self, m: int) -> torch.Tensor:
+        if m < len(self.text_vectors):
+            return self.text_vectors[m]
+        if not self.is_thinker_done or self.tts_pad is None:
+            raise RuntimeError(f"text vector {m} is not known yet (the scheduler's output limit was not kept)")
+        return self.tts_pad
+
+    @staticmethod
+    def _dtype(talker: Talker) -> torch.dtype:
+        return talker.codec_head.weight.dtype
+
+
+def _ids(where: str, value: Any) -> list[int]:
+    if not isinstance(value, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise AdmissionError(f"{where}: must be a list of token ids")
+    return list(value)
+
+
+def _rows(where: str, value: Any, hidden_size: int, num_rows: int | None) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[1] != hidden_size \
+            or not value.is_floating_point() or (num_rows is not None and value.shape[0] != num_rows):
+        want = f"[{'N' if num_rows is None else num_rows}, {hidden_size}]"
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise AdmissionError(f"{where}: must be a float tensor {want}, got {got}")
+    # NOTE: a copy: relay memory is acked when the request leaves the stage, and rows are kept.
+    return value.clone()

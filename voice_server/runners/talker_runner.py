@@ -1,0 +1,183 @@
+"""`TalkerRunner`: the Qwen3-Omni talker + MTP code predictor on the AR core (feedback AR).
+
+The scheduler sees an ordinary AR request whose "tokens" are talker positions (prefill placeholders,
+then each frame's code 0) and whose outputs are frames. One `execute` does, for the whole batch:
+talker pass over the flat rows (prefill chunks and decode rows mixed, paged KV) -> code 0 at each
+sampling row -> the code predictor fills codebooks 1..G-1 for all of them in one batched call -> each
+frame's codebook-embedding sum is kept for the next input (`TalkerFeed`: input rows are rebuilt from
+stored vectors, never taken from the token ids). Upstream input is the thinker's token stream;
+`admit` turns it into prompt positions and the output limit the scheduler keeps (talker_feed.py).
+
+Each frame streams out as `{"codes": [G, 1]}`; the codec EOS step streams no codes and ends the request.
+Request params: `params.talker` = {`speaker`, `max_frames`} (defaults from the factory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from voice_server.models.paged import PagedKVCache, build_attention_context
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
+from voice_server.runners.talker_feed import TalkerFeed
+from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
+from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SeqOutput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TalkerRunnerConfig:
+    budget_bytes: int
+    thinker_hidden_size: int
+    page_size: int = 16
+    max_step_tokens: int = 512
+    max_num_seqs: int = 8
+    speaker: str = "ethan"
+    max_frames: int = 4096
+    """Default `params.talker.max_frames`: frames per reply at most (12.5 frames per second of audio)."""
+    max_model_len: int = 32768
+    """Talker positions (prompt + frames) per request at most (M-RoPE has no table to outgrow)."""
+    sampling: TalkerSampling = TalkerSampling()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("budget_bytes", "thinker_hidden_size", "page_size", "max_step_tokens", "max_num_seqs",
+                     "max_frames", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TalkerRunnerConfig.{name} must be an integer >= 1, got {value!r}")
+
+
+class TalkerRunner(Runner[ARBatch, ARResult]):
+    def __init__(self, talker: Talker, ids: TurnTokenIds, config: TalkerRunnerConfig) -> None:
+        cfg = talker.cfg
+        self.talker, self.ids, self.config = talker, ids, config
+        weight = talker.codec_head.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        elem = weight.element_size()
+        self.plan = plan_kv_cache(
+            budget_bytes=config.budget_bytes,
+            weight_bytes=weight_bytes(talker),
+            reserve_bytes=activation_reserve_bytes(config.max_step_tokens, config.max_num_seqs, cfg.hidden_size,
+                                                   cfg.intermediate_size, cfg.vocab_size, elem),
+            bytes_per_page=PagedKVCache.bytes_per_page(cfg.num_hidden_layers, config.page_size,
+                                                       cfg.num_key_value_heads, cfg.head_dim, self.dtype),
+            page_size=config.page_size,
+            max_model_len=config.max_model_len,
+        )
+        self.cache = PagedKVCache(cfg.num_hidden_layers, self.plan.num_pages, config.page_size,
+                                  cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)
+        # NOTE: talker inputs are embeddings, not ids: equal ids need not mean equal keys/values.
+        self.ar_spec = ARSpec(self.plan.num_pages, config.page_size, self.plan.max_model_len,
+                              (cfg.codec_eos_token_id,), is_prefix_cacheable=False)
+        self.feeds: dict[str, TalkerFeed] = {}
+        self.generator = torch.Generator(self.device)
+        if config.seed is not None:
+            self.generator.manual_seed(config.seed)
+        log.info("talker KV cache: %d pages x %d positions", self.plan.num_pages, config.page_size)
+
+    # -- admission: the thinker's token stream -> prompt positions and output limits -------------------
+
+    def admit(self, item: WorkItem) -> WorkItem:
+        rid = item.request_id
+        if not isinstance(item.payload, dict):
+            raise AdmissionError(f"payload: must be a mapping, got {type(item.payload).__name__}")
+        if item.kind is WorkKind.NEW:
+            if not item.is_stream:
+                raise AdmissionError("the talker takes the thinker's stream (list it in the thinker's stream_to)")
+            speaker, max_frames = self._talker_params(item.params)
+            self.feeds[rid] = TalkerFeed(speaker)
+            params = {"sampling": {"max_tokens": max_frames}}
+            return dataclasses.replace(item, payload={"token_ids": [], "max_num_outputs": 0}, params=params)
+        feed = self.feeds.get(rid)
+        if feed is None:
+            return item  # a request that already left: the scheduler drops it
+        if item.kind is WorkKind.CHUNK:
+            feed.add_chunk(item.payload, self.config.thinker_hidden_size)
+        else:
+            feed.is_thinker_done = True
+        with torch.inference_mode():
+            prefill_ids = feed.advance(self.talker, self.ids)
+        payload: dict[str, Any] = {"max_num_outputs": feed.max_num_outputs}
+        if prefill_ids is not None:
+            payload.update(token_ids=prefill_ids, is_input_done=True)
+        # NOTE: every upstream item becomes a CHUNK: the talker's own input (its prompt) ended with
+        # the prefill, the thinker's end only lifts the output limit.
+        return dataclasses.replace(item, kind=WorkKind.CHUNK, payload=payload)
+
+    def _talker_params(self, params: dict[str, Any]) -> tuple[str, int]:
+        raw = params.get("talker") or {}
+        if not isinstance(raw, dict) or not set(raw) <= {"speaker", "max_frames"}:
+            raise AdmissionError("params.talker: must be a mapping with at most 'speaker' and 'max_frames'")
+        speaker = raw.get("speaker", self.config.speaker)
+        names = [name for name, _ in self.talker.cfg.speaker_ids]
+        if not isinstance(speaker, str) or speaker.lower() not in names:
+            raise AdmissionError(f"params.talker.speaker: must be one of {', '.join(names)}, got {speaker!r}")
+        max_frames = raw.get("max_frames", self.config.max_frames)
+        if isinstance(max_frames, bool) or not isinstance(max_frames, int) or not 1 <= max_frames <= 65536:
+            raise AdmissionError(f"params.talker.max_frames: must be an integer in [1, 65536], got {max_frames!r}")
+        return speaker, max_frames
+
+    def release(self, request_id: str) -> None:
+        self.feeds.pop(request_id, None)
+
+    # -- the step ---------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ARBatch) -> ARResult:
+        seqs = batch.seqs
+        feeds = [self.feeds[s.request_id] for s in seqs]
+        rows = [f.input_rows(s.start_pos, s.start_pos + len(s.token_ids)) for s, f in zip(seqs, feeds)]
+        ctx, positions = build_attention_context(
+            self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], batch.num_tokens, self.device)
+        sampling_rows, sampling = [], []
+        last_row = -1
+        for i, seq in enumerate(seqs):
+            last_row += len(seq.token_ids)
+            if seq.is_sampling:
+                sampling_rows.append(last_row)
+                sampling.append(i)
+        inputs = torch.cat(rows)
+        index = torch.tensor(sampling_rows or [0], dtype=torch.long, device=self.device)
+        logits, hidden = self.talker.forward_paged(inputs, positions, ctx, index)
+        if not sampling:
+            return ARResult(tuple(SeqOutput(None) for _ in seqs))
+        code0s, frames = self._sample_frames(hidden, logits, [feeds[i] for i in sampling])
+        outputs: list[SeqOutput] = [SeqOutput(None) for _ in seqs]
+        for i, code0, codes in zip(sampling, code0s, frames):
+            outputs[i] = SeqOutput(code0, "", {} if codes is None else {"codes": codes})
+        return ARResult(tuple(outputs))
+
+    def _sample_frames(
+        self, hidden: torch.Tensor, logits: torch.Tensor, feeds: list[TalkerFeed]
+    ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Code 0 at each sampling row, then the code predictor's codebooks 1..G-1 for all of them:
+        (code 0 per row, the frame's codes [G, 1] per row, None for codec EOS)."""
+        talker, vocab = self.talker, self.talker.cfg.vocab_size
+        seen = torch.stack([f.code0_seen if f.code0_seen is not None
+                            else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in feeds])
+        sampling = self.config.sampling
+        code0 = talker.select_code0(logits, seen, sampling, self.generator)
+        code0_embed = talker.model.codec_embedding(code0)
+        fill = talker.code_predictor.fill(hidden, code0_embed, sampling.residual, self.generator)
+        codec_sums = code0_embed + fill.embeds.sum(1)
+        codes = torch.cat((code0[:, None], fill.codes), dim=1)
+        ids = code0.tolist()
+        eos = talker.cfg.codec_eos_token_id
+        out_codes: list[torch.Tensor | None] = []
+        for j, feed in enumerate(feeds):
+            feed.code0_seen = seen[j]
+            if ids[j] == eos:
+                out_codes.append(None)  # NOTE: the reference never fills the EOS frame; it ends the reply
+                continue
+            feed.codec_sums.append(codec_sums[j])
+            out_codes.append(codes[j][:, None].clone())
+        return ids, out_codes

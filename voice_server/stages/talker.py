@@ -1,0 +1,59 @@
+"""Qwen3-Omni talker stage (`ar` scheduler): `TalkerRunner`, fed by the thinker's token stream.
+
+List it in the thinker's `stream_to`, and list the code2wav stage in its own `stream_to`.
+factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus `page_size` (16),
+`max_model_len` (32768 positions), `speaker` (`ethan`), `max_frames` (4096, per reply; a request
+may lower or raise it with `params.talker.max_frames`), `sampling` (`greedy`, the reference's
+`talker_do_sample=False`, default; or `sample`, its sampling defaults) and `sampler_seed` (null).
+The stage's `prefix_cache` has no effect here: talker inputs are embeddings, so equal ids need not
+mean equal keys and values (`ARSpec.is_prefix_cacheable` is false).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from voice_server.config.errors import ConfigError, fail, show
+from voice_server.engine.runtime import StageContext
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.models.qwen3_omni.turn import turn_token_ids
+from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
+from voice_server.stages.omni_parts import read_omni_args
+
+OWN_ARGS = ("page_size", "max_model_len", "speaker", "max_frames", "sampling", "sampler_seed")
+SAMPLING = {"greedy": TalkerSampling, "sample": TalkerSampling.hf_sampling}
+
+
+def create_talker(ctx: StageContext) -> TalkerRunner:
+    args = read_omni_args(ctx, OWN_ARGS)
+    sampling_name = args.extra.get("sampling", "greedy")
+    if sampling_name not in SAMPLING:
+        raise fail(args.where, "factory_args.sampling",
+                   f"must be one of {', '.join(SAMPLING)}, got {show(sampling_name)}")
+    speaker = args.extra.get("speaker", "ethan")
+    names = [name for name, _ in args.cfg.talker.speaker_ids]
+    if not isinstance(speaker, str) or speaker.lower() not in names:
+        raise fail(args.where, "factory_args.speaker", f"must be one of {', '.join(names)}, got {show(speaker)}")
+    model = args.load("talker")
+    assert isinstance(model, Talker)
+    budget = ctx.budget_bytes
+    if budget is None:
+        budget = int(torch.cuda.get_device_properties(torch.device(ctx.stage.device)).total_memory
+                     * ctx.stage.memory_fraction)
+    try:
+        config = TalkerRunnerConfig(
+            budget_bytes=budget,
+            thinker_hidden_size=args.cfg.thinker.text.hidden_size,
+            page_size=args.int_arg("page_size", 16, minimum=1) or 16,
+            max_step_tokens=ctx.stage.max_step_tokens,
+            max_num_seqs=ctx.stage.max_batch_size,
+            speaker=speaker,
+            max_frames=args.int_arg("max_frames", 4096, minimum=1) or 4096,
+            max_model_len=args.int_arg("max_model_len", 32768, minimum=2) or 32768,
+            sampling=SAMPLING[sampling_name](),
+            seed=args.int_arg("sampler_seed", None, minimum=0),
+        )
+        return TalkerRunner(model, turn_token_ids(args.cfg), config)
+    except ValueError as exc:
+        raise ConfigError(f"{args.where}: {exc}") from exc

@@ -1,0 +1,52 @@
+"""Qwen3-Omni thinker stage (`ar` scheduler): `ThinkerRunner` over the MoE thinker.
+
+factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`: `checkpoint` or `preset`, `seed`,
+`dtype`, `num_threads`), plus `page_size` (16), `max_model_len` (the model's), `sampler_seed` (null),
+`batch_invariant` (true), and `sampling` (request defaults; greedy with `max_tokens` 256 unless set).
+When the stage lists a `stream_to` (the talker), each token streams with what the talker consumes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from voice_server.config.errors import ConfigError, fail, show
+from voice_server.engine.runtime import StageContext
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.runners.ar_runner import DecoderRunnerConfig
+from voice_server.runners.thinker_runner import ThinkerRunner
+from voice_server.scheduling.contract import SamplingParams
+from voice_server.stages.omni_parts import read_omni_args
+
+OWN_ARGS = ("page_size", "max_model_len", "sampler_seed", "batch_invariant", "sampling")
+
+
+def create_thinker(ctx: StageContext) -> ThinkerRunner:
+    args = read_omni_args(ctx, OWN_ARGS)
+    is_batch_invariant = args.extra.get("batch_invariant", True)
+    if not isinstance(is_batch_invariant, bool):
+        raise fail(args.where, "factory_args.batch_invariant", f"must be true or false, got {show(is_batch_invariant)}")
+    try:
+        sampling = SamplingParams.from_params({"sampling": args.extra.get("sampling") or {}})
+    except ValueError as exc:
+        raise fail(args.where, "factory_args.sampling", str(exc)) from exc
+    model = args.load("thinker")
+    assert isinstance(model, ThinkerModel)
+    budget = ctx.budget_bytes
+    if budget is None:
+        budget = int(torch.cuda.get_device_properties(torch.device(ctx.stage.device)).total_memory
+                     * ctx.stage.memory_fraction)
+    config = DecoderRunnerConfig(
+        budget_bytes=budget,
+        page_size=args.int_arg("page_size", 16, minimum=1) or 16,
+        max_model_len=args.int_arg("max_model_len", None, minimum=2),
+        max_step_tokens=ctx.stage.max_step_tokens,
+        max_num_seqs=ctx.stage.max_batch_size,
+        sampling_defaults=sampling,
+        is_batch_invariant=is_batch_invariant,
+        sampler_seed=args.int_arg("sampler_seed", None, minimum=0),
+    )
+    try:
+        return ThinkerRunner(model, args.cfg, config, feeds_talker=bool(ctx.stage.stream_to))
+    except ValueError as exc:
+        raise ConfigError(f"{args.where}: {exc}") from exc
