@@ -84,3 +84,17 @@ def test_meta_device_construction_has_no_buffers() -> None:
         enc = AudioEncoder(AudioEncoderConfig())
     assert list(enc.buffers()) == []
     assert all(p.is_meta for p in enc.parameters())
+
+
+@torch.no_grad()
+def test_full_chunk_padding_equals_the_reference_next_to_a_long_clip() -> None:
+    # A sub-second clip padded to a full chunk gets the tokens the reference gives it in a call that
+    # also holds a clip of >= 1 s (whose chunks set the padded length), whatever else is in the call.
+    ours, ref = _pair(200)
+    g = torch.Generator().manual_seed(5)
+    short, long_ = torch.randn(16, 57, generator=g), torch.randn(16, 130, generator=g)
+    expected = ref(input_features=torch.cat([short, long_], 1), feature_lens=torch.tensor([57, 130])).last_hidden_state
+    got = ours(short, torch.tensor([57]), chunk_pad_len=100)
+    num_short = num_audio_tokens(57)
+    assert (got - expected[:num_short]).abs().max().item() <= 1e-4
+    assert (ours(short, torch.tensor([57])) - got).abs().max().item() > 1e-4  # the reference pads to 57 alone

@@ -186,3 +186,16 @@ def test_unfused_module_and_sub_prefix(hf_model: nn.Module, ckpt: Path) -> None:
     tower = build_on_meta(type(ref), ref.config)
     load_weights(tower, ckpt, "thinker.model.audio_tower.", torch.float32)
     assert_bitwise(tower.state_dict(), ref.state_dict(), torch.float32)
+
+
+def test_audio_tower_part_loads_alone(hf_model: nn.Module, ckpt: Path) -> None:
+    from voice_server.models.qwen3_omni.loading import load_part
+
+    # The encoder stage's part: only `thinker.audio_tower.*` from the checkpoint, and in dummy mode the
+    # same draws as the tower inside a dummy thinker (the seeds hash the thinker's names).
+    cfg = Qwen3OmniConfig.from_hf_dict(tiny_config_dict())
+    tower = load_part("audio_tower", cfg, ckpt)
+    assert_bitwise(tower.state_dict(), hf_model.thinker.model.audio_tower.state_dict(), torch.float32)
+    dummy = load_part("audio_tower", cfg, load_format="dummy", seed=5).state_dict()
+    inside = load_part("thinker", cfg, load_format="dummy", seed=5).model.audio_tower.state_dict()  # type: ignore[union-attr]
+    assert dummy.keys() == inside.keys() and all(torch.equal(dummy[k], inside[k]) for k in dummy)

@@ -1,6 +1,8 @@
 """Build one Qwen3-Omni part (thinker, talker, code2wav) from a checkpoint or as `load_format: dummy`.
 
-Each serving stage loads only its own part: a stage never holds the other parts' weights.
+Each serving stage loads only its own part: a stage never holds the other parts' weights. The
+`audio_tower` part is the thinker's audio encoder alone (for the encoder stage), with the same
+weights as inside the thinker: the checkpoint's `thinker.audio_tower.*`, or the same dummy draws.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ from typing import Literal
 import torch
 from torch import nn
 
+from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.weights import build_on_meta, init_dummy_weights, load_weights
 
-Part = Literal["thinker", "talker", "code2wav"]
+Part = Literal["thinker", "talker", "code2wav", "audio_tower"]
+# NOTE: where the audio tower sits in the thinker (in-memory names), for its checkpoint prefix and dummy seeds.
+_AUDIO_TOWER_PREFIX = "model.audio_tower."
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -37,18 +42,22 @@ def load_part(
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     module: nn.Module
     ignore: tuple[str, ...] = ()
-    if part == "thinker":
+    prefix, name_prefix = f"{part}.", ""
+    if part == "audio_tower":
+        module, name_prefix = build_on_meta(AudioEncoder, cfg.thinker.audio), _AUDIO_TOWER_PREFIX
+        prefix = f"thinker.{_AUDIO_TOWER_PREFIX}"
+    elif part == "thinker":
         module, ignore = build_on_meta(ThinkerModel, cfg.thinker), ThinkerModel.IGNORED_STATE_PREFIXES
     elif part == "talker":
         module = build_on_meta(Talker, cfg.talker)
     elif part == "code2wav":
         module = build_on_meta(Code2Wav, cfg.code2wav)
     else:
-        raise ValueError(f"part must be thinker, talker or code2wav, got {part!r}")
+        raise ValueError(f"part must be thinker, talker, code2wav or audio_tower, got {part!r}")
     if load_format == "dummy":
-        init_dummy_weights(module, seed, dtype, device=device)
+        init_dummy_weights(module, seed, dtype, device=device, name_prefix=name_prefix)
     else:
         if ckpt_dir is None:
             raise ValueError("load_format 'auto' needs a checkpoint directory")
-        load_weights(module, Path(ckpt_dir), f"{part}.", dtype, device=device, ignore_prefixes=ignore)
+        load_weights(module, Path(ckpt_dir), prefix, dtype, device=device, ignore_prefixes=ignore)
     return module.eval()

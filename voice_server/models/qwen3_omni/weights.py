@@ -231,7 +231,7 @@ def _dummy_value(name: str, shape: torch.Size, g: torch.Generator, device: torch
 
 @torch.no_grad()
 def init_dummy_weights(
-    module: nn.Module, seed: int, dtype: torch.dtype, *, device: torch.device | str = "cpu"
+    module: nn.Module, seed: int, dtype: torch.dtype, *, device: torch.device | str = "cpu", name_prefix: str = ""
 ) -> None:
     """`load_format: dummy`: random weights of the right shapes, no checkpoint.
 
@@ -240,13 +240,15 @@ def init_dummy_weights(
     1 + N(0, 0.02), biases N(0, 0.02), Linear/Embedding/experts N(0, 0.02), conv kernels 0.5/sqrt(fan_in),
     SnakeBeta alpha/beta N(0, 0.1) (log scale), LayerScale/ConvNeXt gamma 0.1 + N(0, 0.02).
     Persistent buffers are left as built (they are recomputed state such as RoPE tables).
+    `name_prefix` is put before each name when seeding, so a submodule built alone (e.g. the audio
+    tower, "model.audio_tower.") draws the same values as inside its parent.
     """
     if not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2**31), got {seed}")
     device = torch.device(device)
     for name, param in module.named_parameters():
         # NOTE: a hash of (seed, name): the CPU generator keeps only the low 32 bits of its seed.
-        digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+        digest = hashlib.sha256(f"{seed}/{name_prefix}{name}".encode()).digest()
         g = torch.Generator(device=device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
         _set_tensor(module, name, _dummy_value(name, param.shape, g, device).to(dtype))
     _check_materialised(module)

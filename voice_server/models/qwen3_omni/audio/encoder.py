@@ -104,20 +104,27 @@ class AudioEncoder(nn.Module):
             lens += [chunk_len] * (n // chunk_len) + ([n % chunk_len] if n % chunk_len else [])
         return torch.tensor(lens, dtype=torch.long)
 
-    def window_lens(self, feature_lens: torch.Tensor, chunk_lens: torch.Tensor) -> list[int]:
+    def window_lens(self, feature_lens: torch.Tensor, padded_chunk_len: int) -> list[int]:
         """Token counts of the attention windows, clip after clip (HF `get_audio_cu_seqlens`)."""
         n_window = self.cfg.n_window
-        # NOTE: the window is sized from the longest conv chunk of the batch, as the reference does.
-        tokens_per_chunk = int(conv_output_lengths(chunk_lens, n_window).max())
+        # NOTE: the window is sized from the padded conv chunk (the longest of the call), as the reference does.
+        tokens_per_chunk = int(conv_output_lengths(torch.tensor(padded_chunk_len), n_window))
         window = tokens_per_chunk * (self.cfg.n_window_infer // (2 * n_window))
         lens: list[int] = []
         for num_tokens in conv_output_lengths(feature_lens, n_window).tolist():
             lens += [window] * (num_tokens // window) + ([num_tokens % window] if num_tokens % window else [])
         return lens
 
-    def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_features: torch.Tensor, feature_lens: torch.Tensor, *, chunk_pad_len: int | None = None
+    ) -> torch.Tensor:
         """input_features [num_mel_bins, sum(feature_lens)] (clips packed along time, see
-        `MelFeatures.packed`), feature_lens [num_clips] -> audio tokens [sum(num_audio_tokens), output_dim]."""
+        `MelFeatures.packed`), feature_lens [num_clips] -> audio tokens [sum(num_audio_tokens), output_dim].
+
+        Conv chunks are zero-padded to the longest chunk of the call (the reference), or to at least
+        `chunk_pad_len` frames. NOTE: the padding is not masked between the convs (GELU(bias) != 0),
+        so a partial chunk's last tokens depend on the padded length: a full chunk (2 * n_window)
+        makes every clip's tokens independent of the other clips of the call."""
         expect_shapes(
             ("input_features", input_features, "[num_mel_bins, T]", FLOATING),
             ("feature_lens", feature_lens, "[num_clips]", INTEGER), dims={"num_mel_bins": self.cfg.num_mel_bins},
@@ -129,6 +136,8 @@ class AudioEncoder(nn.Module):
         chunk_lens = self.chunk_lengths(feature_lens.cpu())
         chunks = input_features.T.split(chunk_lens.tolist(), dim=0)
         padded = nn.utils.rnn.pad_sequence(list(chunks), batch_first=True).transpose(1, 2)  # [C, mels, T]
+        if chunk_pad_len is not None and padded.shape[-1] < chunk_pad_len:
+            padded = F.pad(padded, (0, chunk_pad_len - padded.shape[-1]))
         padded = padded.unsqueeze(1).to(self.conv2d1.weight.dtype)
         embeds = []
         for group in padded.split(self.conv_chunksize, dim=0):
@@ -142,7 +151,7 @@ class AudioEncoder(nn.Module):
         tokens_per_chunk = conv_output_lengths(chunk_lens, self.cfg.n_window).to(h.device)
         valid = torch.arange(frames, device=h.device)[None, :] < tokens_per_chunk[:, None]
         x = h[valid]  # [N, d_model], chunk-major as the reference's index_select
-        window_lens = self.window_lens(feature_lens.cpu(), chunk_lens)
+        window_lens = self.window_lens(feature_lens.cpu(), padded.shape[-1])
         for layer in self.layers:
             x = layer(x, window_lens)
         return self.proj2(F.gelu(self.proj1(self.ln_post(x))))

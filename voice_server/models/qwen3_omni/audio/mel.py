@@ -96,9 +96,21 @@ class LogMelFrontEnd:
         self.mel_filters = torch.from_numpy(bank).to(torch.float32)  # [freq_bins, mels]
         self.window = torch.hann_window(n_fft)
 
+    @property
+    def min_num_samples(self) -> int:
+        """The shortest clip that can be the longest of its batch (the centred STFT reflect-pads
+        n_fft // 2 samples, which needs a longer signal)."""
+        return self.n_fft // 2 + 1
+
     def num_frames(self, num_samples: int) -> int:
         """Frames of a clip of `num_samples` when it is the longest of its batch (HF drops the last STFT frame)."""
         return num_samples // self.hop_length
+
+    def feature_lens(self, num_samples: Sequence[int]) -> list[int]:
+        """Valid frames of each clip of one call: a shorter clip keeps its partial last frame (up to the
+        longest clip's frame count), so a clip's count depends on the longest clip it is padded to."""
+        num_frames = self.num_frames(max(num_samples))
+        return [min(num_frames, math.ceil(n / self.hop_length)) for n in num_samples]
 
     def __call__(self, waveforms: Sequence[torch.Tensor | np.ndarray] | torch.Tensor) -> MelFeatures:
         clips = [torch.as_tensor(w).to(torch.float32).reshape(-1) for w in waveforms]
@@ -106,8 +118,7 @@ class LogMelFrontEnd:
             raise ValueError("waveforms is empty")
         lens = [int(c.numel()) for c in clips]
         padded_len = max(lens)
-        if padded_len <= self.n_fft // 2:
-            # NOTE: the centred STFT reflect-pads n_fft // 2 samples, which needs a longer signal.
+        if padded_len < self.min_num_samples:
             raise ValueError(f"the longest clip has {padded_len} samples; need more than {self.n_fft // 2}")
         batch = torch.zeros(len(clips), padded_len, dtype=torch.float32)
         for i, clip in enumerate(clips):
@@ -120,6 +131,5 @@ class LogMelFrontEnd:
         # NOTE: the dynamic-range floor is per clip, over its padded frames too (as HF computes it).
         max_val = log_spec.max(dim=2, keepdim=True)[0].max(dim=1, keepdim=True)[0]
         log_spec = (torch.maximum(log_spec, max_val - 8.0) + 4.0) / 4.0
-        num_frames = log_spec.shape[-1]
-        feature_lens = torch.tensor([min(num_frames, math.ceil(n / self.hop_length)) for n in lens])
+        feature_lens = torch.tensor(self.feature_lens(lens))
         return MelFeatures(features=log_spec, feature_lens=feature_lens)

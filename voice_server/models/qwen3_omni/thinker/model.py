@@ -82,9 +82,11 @@ class ThinkerModel(nn.Module):
         self.model = ThinkerBody(cfg)
         self.lm_head = nn.Linear(cfg.text.hidden_size, cfg.text.vocab_size, bias=False)
 
-    def encode_audio(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
-        """Packed log-mel [num_mel_bins, sum(feature_lens)] -> audio tokens [N, hidden]."""
-        return self.model.audio_tower(input_features, feature_lens)
+    def encode_audio(
+        self, input_features: torch.Tensor, feature_lens: torch.Tensor, *, chunk_pad_len: int | None = None
+    ) -> torch.Tensor:
+        """Packed log-mel [num_mel_bins, sum(feature_lens)] -> audio tokens [N, hidden] (`AudioEncoder.forward`)."""
+        return self.model.audio_tower(input_features, feature_lens, chunk_pad_len=chunk_pad_len)
 
     def embed(self, input_ids: torch.Tensor, audio_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Token embeddings [B, L, H] with audio placeholders replaced, in order, by `audio_embeds` [N, H]."""

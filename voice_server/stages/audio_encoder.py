@@ -1,0 +1,38 @@
+"""Qwen3-Omni audio encoder stage (`simple` scheduler): 16 kHz PCM or log-mel -> audio embeddings.
+
+The pipeline's entry: it runs the thinker's audio tower alone (its checkpoint tensors
+`thinker.audio_tower.*`, or the preset's dummy draws of those same names), one forward per batch,
+and its `next` stage (the thinker) receives `audio_embeds` through the relay, never re-encoding.
+Payload contract: `voice_server/runners/encoder_runner.py`.
+
+factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus
+- `max_audio_seconds` (600): the longest clip accepted (PCM seconds at 16 kHz, or that many
+  seconds of log-mel frames); a longer one is refused at admission, alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+from voice_server.config.errors import fail, quoted, show
+from voice_server.engine.runtime import StageContext
+from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
+from voice_server.runners.encoder_runner import DEFAULT_MAX_AUDIO_SECONDS, AudioEncoderRunner, AudioEncoderRunnerConfig
+from voice_server.stages.omni_parts import read_omni_args
+
+OWN_ARGS = ("max_audio_seconds",)
+
+
+def create_audio_encoder(ctx: StageContext) -> AudioEncoderRunner:
+    if ctx.stage.scheduler != "simple":
+        raise fail(f"stage {quoted(ctx.stage.name)}", "scheduler",
+                   f"the audio encoder runs under 'simple', got {show(ctx.stage.scheduler)}")
+    args = read_omni_args(ctx, OWN_ARGS)
+    max_seconds = args.extra.get("max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, int | float) \
+            or not 0 < max_seconds < math.inf:
+        raise fail(args.where, "factory_args.max_audio_seconds", f"must be a number > 0, got {show(max_seconds)}")
+    tower = args.load("audio_tower")
+    if not isinstance(tower, AudioEncoder):
+        raise TypeError(f"{args.where}: the audio_tower part is a {type(tower).__name__}, not an AudioEncoder")
+    return AudioEncoderRunner(tower, AudioEncoderRunnerConfig.from_thinker(args.cfg.thinker, max_seconds))
