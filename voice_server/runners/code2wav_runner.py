@@ -55,6 +55,9 @@ class Code2WavRunner(Runner[Code2WavBatch, Code2WavResult]):
         self.device = model.code_embedding.weight.device
         self.code2wav_spec = Code2WavSpec(sample_rate=cfg.sample_rate)
         self._streams: dict[str, _StreamCodes] = {}
+        self.num_forwards = 0
+        """Model forwards run; with `num_rows`, how well steps batch (rows per forward)."""
+        self.num_rows = 0
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -130,6 +133,8 @@ class Code2WavRunner(Runner[Code2WavBatch, Code2WavResult]):
             codes = torch.stack([taken[i][1] for i in rows])
             pcm, states = decode_streams(self.model, codes, [taken[i][0].state for i in rows], is_last=key[-1])
             pcm = pcm.to("cpu", torch.float32)
+            self.num_forwards += 1
+            self.num_rows += len(rows)
             for row, (i, state) in enumerate(zip(rows, states)):
                 # NOTE: clone, so one stream's output does not keep the whole batch's buffer alive.
                 outputs[i] = Code2WavOutput(pcm[row].clone(), int(pcm.shape[1]))
