@@ -30,7 +30,7 @@ from voice_server.engine import ipc
 from voice_server.engine.runtime import StageContext, create_runner, create_scheduler
 from voice_server.relay.shm import SHM_DIR as RELAY_SHM_DIR
 from voice_server.scheduling import SCHEDULER_BUILDERS
-from voice_server.scheduling.contract import ARSpec
+from voice_server.scheduling.contract import ARSpec, Code2WavSpec
 from voice_server.stages.numeric import Echo
 
 ECHO = "voice_server.stages.numeric:create_echo"
@@ -211,6 +211,11 @@ def test_scheduler_registry_is_the_single_source() -> None:
                 with pytest.raises(TypeError, match="stage 'solo': scheduler 'ar' needs a runner with an `ar_spec`"):
                     create_scheduler(cfg.stages[0], runner)
                 runner.ar_spec = ARSpec(num_pages=4, page_size=16, max_model_len=64)  # type: ignore[attr-defined]
+            if name == "code2wav":  # NOTE: a code2wav scheduler takes its sample rate from the runner
+                with pytest.raises(TypeError, match="stage 'solo': scheduler 'code2wav' needs a runner with a "
+                                                    "`code2wav_spec`"):
+                    create_scheduler(cfg.stages[0], runner)
+                runner.code2wav_spec = Code2WavSpec(sample_rate=24000)  # type: ignore[attr-defined]
             assert create_scheduler(cfg.stages[0], runner) is not None
         else:
             with pytest.raises(ConfigError, match=f"stage 'solo': field 'scheduler': '{name}' is not implemented"):

@@ -37,6 +37,8 @@ STAGE_RULES: dict[str, Rule] = {
     "batch_window_ms": Number(float, minimum=0.0),
     "max_step_tokens": Number(int, minimum=1),
     "prefix_cache": Flag(),
+    "initial_chunk_frames": Number(int, minimum=1),
+    "chunk_frames": Number(int, minimum=1),
 }
 """Scalar fields of a stage and their rules; `next`, `stream_to`, `factory_args` are checked by hand."""
 
@@ -70,6 +72,10 @@ class StageConfig:
     """`ar` stages: most tokens one step computes (decode tokens plus prefill chunks)."""
     prefix_cache: bool = True
     """`ar` stages: reuse the KV pages of a prompt prefix another request already computed."""
+    initial_chunk_frames: int = 2
+    """`code2wav` stages: codec frames in a stream's first vocoder chunk (small: first audio sooner)."""
+    chunk_frames: int = 10
+    """`code2wav` stages: codec frames in each later chunk (at 12.5 Hz, 10 frames = 0.8 s of audio)."""
     factory_args: dict[str, Any] = field(default_factory=dict)
     """Free-form keyword arguments for the factory."""
 

@@ -16,7 +16,8 @@ from voice_server.scheduling.base import (
     WorkItem,
     WorkKind,
 )
-from voice_server.scheduling.contract import ARSpec, SimpleBatch, SimpleResult
+from voice_server.scheduling.code2wav import Code2WavScheduler
+from voice_server.scheduling.contract import ARSpec, Code2WavSpec, SimpleBatch, SimpleResult
 from voice_server.scheduling.simple import SimpleScheduler
 
 if TYPE_CHECKING:
@@ -41,8 +42,19 @@ def _build_ar(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
     return ARScheduler(spec, stage.max_batch_size, stage.max_step_tokens, is_cached)
 
 
+def _build_code2wav(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
+    spec = getattr(runner, "code2wav_spec", None)
+    if not isinstance(spec, Code2WavSpec):
+        raise TypeError(
+            f"stage '{stage.name}': scheduler 'code2wav' needs a runner with a `code2wav_spec` (Code2WavSpec) "
+            f"attribute, {type(runner).__name__} has {type(spec).__name__}"
+        )
+    return Code2WavScheduler(spec, stage.max_batch_size, stage.initial_chunk_frames, stage.chunk_frames)
+
+
 SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig, AnyRunner], AnyScheduler]] = {
     "ar": _build_ar,
+    "code2wav": _build_code2wav,
     "simple": _build_simple,
 }
 """Implemented scheduler types by config name: the single source of truth for `create_scheduler` (which
@@ -57,6 +69,7 @@ __all__ = [
     "AnyRunner",
     "AnyScheduler",
     "BaseScheduler",
+    "Code2WavScheduler",
     "Emit",
     "EmitKind",
     "Runner",

@@ -7,6 +7,8 @@ Python values (no torch), so schedulers are tested with no model.
 - `simple`: `SimpleBatch` -> `SimpleResult` (work items in, emits out; stateless per step).
 - `ar`: `ARBatch` -> `ARResult` (a ragged batch of token chunks over a paged KV cache in, one
   sampled token per sampling sequence out). The runner describes its KV cache with `ARSpec`.
+- `code2wav`: `Code2WavBatch` -> `Code2WavResult` (one chunk of code frames per stream in, the PCM
+  that became final per stream out). The runner gives its sample rate in `Code2WavSpec`.
 """
 
 from __future__ import annotations
@@ -189,3 +191,75 @@ class SeqOutput:
 class ARResult:
     outputs: tuple[SeqOutput, ...]
     """One per `ARBatch.seqs`, in the same order."""
+
+
+# ---------------------------------------------------------------------------------------------
+# code2wav
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Code2WavSpec:
+    """What a Code2Wav runner tells its scheduler once the model is loaded."""
+
+    sample_rate: int
+    """Of the PCM the runner returns (24000 for the released model)."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.sample_rate) or self.sample_rate < 1:
+            raise ValueError(f"Code2WavSpec.sample_rate must be an integer >= 1, got {self.sample_rate!r}")
+
+
+@dataclass(frozen=True)
+class Code2WavChunk:
+    """Decode frames `[num_frames_before, num_frames_before + num_frames)` of one stream.
+
+    The codes themselves stay in the runner (it kept each stream's frames at admission), so the
+    scheduler handles only counts."""
+
+    request_id: str
+    num_frames_before: int
+    """Frames of this stream already decoded (the runner checks its stream state agrees)."""
+    num_frames: int
+    """New frames; 0 only with `is_last` (a flush of the held-back lookahead samples, or an empty stream)."""
+    is_last: bool
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_frames_before) or self.num_frames_before < 0:
+            raise ValueError(f"Code2WavChunk.num_frames_before must be an integer >= 0, got {self.num_frames_before!r}")
+        if not _is_int(self.num_frames) or self.num_frames < (0 if self.is_last else 1):
+            raise ValueError(f"Code2WavChunk.num_frames must be an integer >= {0 if self.is_last else 1}, "
+                             f"got {self.num_frames!r}")
+
+    @property
+    def is_first(self) -> bool:
+        return self.num_frames_before == 0
+
+
+@dataclass(frozen=True)
+class Code2WavBatch:
+    chunks: tuple[Code2WavChunk, ...]
+    """At most one chunk per stream (a stream's chunks run in order, one step each)."""
+
+    def __post_init__(self) -> None:
+        if not self.chunks:
+            raise ValueError("Code2WavBatch has no chunks")
+        if len({c.request_id for c in self.chunks}) != len(self.chunks):
+            raise ValueError("Code2WavBatch holds two chunks of one stream")
+
+    @property
+    def num_frames(self) -> int:
+        return sum(c.num_frames for c in self.chunks)
+
+
+@dataclass(frozen=True)
+class Code2WavOutput:
+    pcm: Any
+    """float32 tensor [num_samples] on the CPU; opaque to the scheduler, which only routes it."""
+    num_samples: int
+
+
+@dataclass(frozen=True)
+class Code2WavResult:
+    outputs: tuple[Code2WavOutput, ...]
+    """One per `Code2WavBatch.chunks`, in the same order."""

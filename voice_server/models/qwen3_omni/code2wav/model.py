@@ -73,8 +73,13 @@ class PreTransformer(nn.Module):
         self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, start_pos: int = 0, kv_cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, start_pos: int | torch.Tensor = 0, kv_cache: KVCache | None = None
+    ) -> torch.Tensor:
         """x [B, T, H] at absolute frame positions start_pos.. -> post-norm hidden [B, T, H].
+
+        `start_pos` is one int for every row, or a long tensor [B] of per-row starts (streams at
+        different positions batched together; their caches must have the same length).
 
         With `kv_cache`, the cache holds the keys/values of the frames just before start_pos and is
         trimmed afterwards to the sliding window (window - 1 frames), which is all a later query sees.
@@ -83,7 +88,10 @@ class PreTransformer(nn.Module):
         # NOTE: inv_freq is recomputed per call (no buffer), so the module has no state to restore
         # after meta-device construction.
         inv_freq = rope_inv_freq(self.cfg.head_dim, self.cfg.rope_theta)
-        positions = torch.arange(start_pos, start_pos + seq_len, device=x.device).expand(bsz, seq_len)
+        if isinstance(start_pos, torch.Tensor):
+            positions = start_pos.to(x.device)[:, None] + torch.arange(seq_len, device=x.device)[None, :]
+        else:
+            positions = torch.arange(start_pos, start_pos + seq_len, device=x.device).expand(bsz, seq_len)
         cos, sin = rope_cos_sin(rope_angles(positions, inv_freq), x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, kv_cache, i)

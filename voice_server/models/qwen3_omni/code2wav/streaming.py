@@ -125,11 +125,14 @@ def new_stream_state(
 
 @torch.no_grad()
 def decode_chunk(
-    model: Code2Wav, codes: torch.Tensor, state: Code2WavStreamState, is_last: bool = False
+    model: Code2Wav, codes: torch.Tensor, state: Code2WavStreamState, is_last: bool = False,
+    start_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Code2WavStreamState]:
     """codes [B, G, T_new] (T_new may be 0, e.g. to flush with is_last) -> (pcm [B, n], state).
 
     n = samples that became final: T_new * U in steady state (see the module note for the ends).
+    `start_pos` (long [B]) overrides the RoPE start of each row: rows that are different streams
+    whose states agree but for their position (`batched.decode_streams`); default `state.num_frames`.
     """
     if state.is_finished:
         raise RuntimeError("decode_chunk called on a finished stream (is_last was already set)")
@@ -137,7 +140,8 @@ def decode_chunk(
     upsample = model.total_upsample
     window = state.hidden_context
     if codes.shape[-1] > 0:
-        hidden = model.pre_transformer(model.embed(codes), state.num_frames, state.kv_cache).transpose(1, 2)
+        positions = state.num_frames if start_pos is None else start_pos
+        hidden = model.pre_transformer(model.embed(codes), positions, state.kv_cache).transpose(1, 2)
         window = hidden if window is None else torch.cat((window, hidden), dim=-1)
         state.num_frames += codes.shape[-1]
     emit_end = state.num_frames * upsample - (0 if is_last else state.lookahead_samples)
