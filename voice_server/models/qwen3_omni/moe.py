@@ -37,16 +37,47 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # NOTE: each (token, expert) pair of the gathered path copies one expert's weights, so the
+        # transient copy stays within one layer's routed experts; that covers decode steps of up to
+        # num_experts / top_k sequences (16 for the released thinker). Not yet measured on a GPU.
+        self.max_gathered_pairs = num_experts
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """x [T, H], top_idx / top_w [T, k] -> sum over k of top_w * expert(x) [T, H].
+
+        NOTE: off the CPU, small T takes the sync-free gathered path. On the CPU the loop's host sync
+        costs nothing and the gathered path is 13-28x slower (weight copies and batched GEMV; see
+        docs/BENCHMARKS.md, "MoE experts"), so the CPU always loops.
+        """
+        if x.device.type != "cpu" and top_idx.numel() <= self.max_gathered_pairs:
+            return self.forward_gathered(x, top_idx, top_w)
+        return self.forward_looped(x, top_idx, top_w)
+
+    def forward_looped(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """Prefill-sized T: one matmul per expert some token picked, over the tokens that picked it.
+        NOTE: `unique().tolist()` is a host sync (on CUDA it stalls the stream, no CUDA graphs)."""
         out = torch.zeros_like(x)
-        # Visit only the experts some token picked; tokens are gathered per expert.
         for expert in top_idx.unique().tolist():
             token_idx, k_pos = torch.where(top_idx == expert)
             gate, up = F.linear(x[token_idx], self.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.down_proj[expert]) * top_w[token_idx, k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out
+
+    def forward_gathered(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
+        """Decode-sized T without a host sync: each (token, expert) pair gathers its expert's weights
+        and all pairs run as batched matrix-vector products (gpt-fast's Mixtral decode).
+
+        NOTE: each pair is its own batch entry, so a token's output does not depend on the other tokens
+        (the loop's per-expert matmul over a varying number of tokens can change the rounding).
+        """
+        num_tokens, top_k = top_idx.shape
+        flat_idx = top_idx.reshape(-1)
+        rows = x.repeat_interleave(top_k, dim=0)[:, :, None]  # [T * k, H, 1]
+        gate, up = torch.bmm(self.gate_up_proj[flat_idx], rows).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat_idx], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+        y = y.view(num_tokens, top_k, -1) * top_w[..., None]
+        return y.sum(dim=1).to(x.dtype)
 
 
 class SparseMoeBlock(nn.Module):

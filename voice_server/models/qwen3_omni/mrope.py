@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from voice_server.models.layers import rope_cos_sin, rope_inv_freq
+from voice_server.models.layers import rope_cos_sin, rope_inv_freq, signed_sin
 
 
 def mrope_axis_index(head_dim: int, mrope_section: tuple[int, ...]) -> torch.Tensor:
@@ -36,6 +36,7 @@ class MRoPE(torch.nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.mrope_section = head_dim, theta, mrope_section
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._signed_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _table(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tables:
@@ -51,3 +52,32 @@ class MRoPE(torch.nn.Module):
         angles = pos.to(torch.float32)[..., None] * inv_freq  # [3, B, L, D/2]
         index = axis.expand(1, *angles.shape[1:])
         return rope_cos_sin(angles.gather(0, index).squeeze(0), dtype)
+
+    def signed_table(
+        self, num_positions: int, device: torch.device, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and `signed_sin` [num_positions, head_dim] for positions equal on all three axes (text
+        and audio), computed once per device and dtype (rebuilt if a longer table is asked for).
+
+        NOTE: the paged path indexes this table rather than computing cos/sin per step, so a row's
+        values cannot depend on how many rows the step has (as Llama's `signed_rope_table`).
+        """
+        table = self._signed_tables.get((device, dtype))
+        if table is None or table[0].shape[0] < num_positions:
+            cos, sin = self(torch.arange(num_positions, device=device)[None], dtype)
+            table = self._signed_tables[device, dtype] = (cos[0], signed_sin(sin[0]))
+        return table
+
+    def paged_cos_sin(
+        self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat positions [T] (all axes equal) or [3, T] -> cos and `signed_sin` [1, 1, T, head_dim],
+        the layout the paged `Attention` path broadcasts over heads (`apply_rotary_signed`)."""
+        if positions.ndim == 1:
+            cos_table, sin_table = self.signed_table(num_positions, positions.device, dtype)
+            cos, sin = cos_table[positions], sin_table[positions]
+        else:
+            # NOTE: distinct t/h/w positions (vision, not built yet) are computed per step.
+            cos3, sin3 = self(positions[:, None], dtype)
+            cos, sin = cos3[0], signed_sin(sin3[0])
+        return cos[None, None], sin[None, None]

@@ -6,6 +6,7 @@ Parameter names equal transformers' `Qwen3OmniMoeTalkerCodePredictorModelForCond
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -22,7 +23,7 @@ from voice_server.models.layers import (
     rope_inv_freq,
 )
 from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
-from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_tokens
+from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_token_rows, select_tokens
 from voice_server.models.shapes import FLOATING, expect_shapes
 
 
@@ -101,7 +102,29 @@ class CodePredictor(nn.Module):
             dims={"H": self.cfg.hidden_size},
         )
         params = params or SamplingParams()
+        return self._fill(talker_hidden, code0_embed, lambda logits: select_tokens(logits, params, generator))
+
+    def fill_rows(
+        self,
+        talker_hidden: torch.Tensor,
+        code0_embed: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> FrameFill:
+        """`fill` for S sequences of a batch, row i selecting with its own `params[i]` / `generators[i]`
+        (talker_hidden, code0_embed [S, H])."""
+        expect_shapes(
+            ("talker_hidden", talker_hidden, "[S, H]", FLOATING), ("code0_embed", code0_embed, "[S, H]", FLOATING),
+            dims={"H": self.cfg.hidden_size},
+        )
+        return self._fill(talker_hidden, code0_embed, lambda logits: select_token_rows(logits, params, generators))
+
+    def _fill(
+        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, select: Callable[[torch.Tensor], torch.Tensor]
+    ) -> FrameFill:
         bsz = talker_hidden.shape[0]
+        # NOTE: a fresh contiguous cache per frame: its shapes (B rows, 2 then 1 positions per pass, at
+        # most G keys) are the same every frame, whatever the batch's sequences are doing.
         kv_cache = KVCache(len(self.model.layers))
         positions = torch.arange(self.cfg.num_code_groups, device=talker_hidden.device).expand(bsz, -1)
         # NOTE: one rope table for the whole frame (positions 0..G-1), sliced per pass.
@@ -115,7 +138,7 @@ class CodePredictor(nn.Module):
             end = start + x.shape[1]
             hidden = self.model.run_layers(x, cos[:, start:end], sin[:, start:end], kv_cache)
             step_logits = self.lm_head[k](hidden[:, -1])
-            code = select_tokens(step_logits, params, generator)
+            code = select(step_logits)
             embed = self.model.codec_embedding[k](code)
             codes.append(code)
             embeds.append(embed)

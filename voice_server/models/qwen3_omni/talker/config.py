@@ -109,12 +109,13 @@ class TalkerConfig:
     audio_token_id: int = 151646
     image_token_id: int = 151655
     video_token_id: int = 151656
+    max_position_embeddings: int = 65536
 
     def __post_init__(self) -> None:
         check_positive(self, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                        "num_attention_heads", "num_key_value_heads", "head_dim", "moe_intermediate_size",
                        "num_experts", "num_experts_per_tok", "shared_expert_intermediate_size",
-                       "thinker_hidden_size")
+                       "thinker_hidden_size", "max_position_embeddings")
         _check_act(self, self.hidden_act)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("TalkerConfig.num_attention_heads must be a multiple of num_key_value_heads")
@@ -185,6 +186,7 @@ class TalkerConfig:
             audio_token_id=s.read_int("audio_token_id", 151646),
             image_token_id=s.read_int("image_token_id", 151655),
             video_token_id=s.read_int("video_token_id", 151656),
+            max_position_embeddings=text.read_int("max_position_embeddings", 65536, positive=True),
         )
 
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm
+from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.mrope import MRoPE
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
@@ -108,6 +109,28 @@ class Talker(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One prefill or decode pass -> (codec_head logits [B, L, V], post-norm hidden [B, L, H])."""
         hidden = self.model(inputs_embeds, positions, kv_cache, key_mask)
+        return self.codec_head(hidden), hidden
+
+    def forward_paged(
+        self,
+        inputs_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of a ragged batch over the paged cache: flat inputs_embeds [T, H] (prefill chunks
+        and decode rows of many sequences, padding last), positions [T] (all M-RoPE axes equal) or
+        [3, T] -> (codec_head logits [S, V], post-norm hidden [S, H]) at rows `logits_indices` [S]."""
+        expect_shapes(
+            ("inputs_embeds", inputs_embeds, "[T, H]", FLOATING), ("positions", positions, "[T] | [3, T]", torch.long),
+            ("logits_indices", logits_indices, "[S]", torch.long), dims={"H": self.cfg.hidden_size},
+        )
+        model = self.model
+        cos, sin = model.rotary.paged_cos_sin(positions, self.cfg.max_position_embeddings, inputs_embeds.dtype)
+        x = inputs_embeds[None]
+        for i, layer in enumerate(model.layers):
+            x = layer(x, cos, sin, ctx, i)
+        hidden = model.norm(x[0].index_select(0, logits_indices))
         return self.codec_head(hidden), hidden
 
     def suppress_mask(self, device: torch.device) -> torch.Tensor:

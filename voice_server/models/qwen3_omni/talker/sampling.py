@@ -6,6 +6,7 @@ penalty, suppressed ids, then (sampling only) temperature, top-k, top-p.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +54,9 @@ class TalkerSampling:
         )
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """logits [B, V]; seen [B, V] bool marks ids already generated."""
-    if penalty == 1.0:
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
+    """logits [B, V]; seen [B, V] bool marks ids already generated; penalty one value or per row [B, 1]."""
+    if isinstance(penalty, float) and penalty == 1.0:
         return logits
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalized, logits)
@@ -81,3 +82,20 @@ def select_tokens(
         scores = scores.masked_fill(drop.scatter(-1, sorted_idx, drop), float("-inf"))
     probs = scores.softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def select_token_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """logits [S, V] -> ids [S], row i chosen with its own `params[i]` and `generators[i]`.
+
+    NOTE: all-greedy rows take one argmax (no host sync, no per-row ops); otherwise each row is
+    selected alone, so a row draws from its own generator exactly as `select_tokens` on [1, V] does.
+    """
+    if not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} rows, {len(params)} sampling params, {len(generators)} generators")
+    if all(p.is_greedy for p in params):
+        return logits.float().argmax(dim=-1)
+    return torch.cat(
+        [select_tokens(logits[i : i + 1], p, g) for i, (p, g) in enumerate(zip(params, generators, strict=True))]
+    )

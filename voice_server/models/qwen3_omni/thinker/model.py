@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm, SwiGLU
+from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.mrope import MRoPE
@@ -28,6 +29,13 @@ class ThinkerOutput:
     inputs_embeds: torch.Tensor  # [B, L, H]: token embeddings with audio features scattered in (HF hidden_states[0])
     accepted_hidden: torch.Tensor | None  # [B, L, H]: HF hidden_states[accept_hidden_layer], if asked for
     last_hidden: torch.Tensor  # [B, L, H]: after the final norm
+
+
+@dataclass(frozen=True)
+class ThinkerPagedOutput:
+    logits: torch.Tensor  # [S, vocab] at the rows `logits_indices` chose
+    inputs_embeds: torch.Tensor  # [T, H]: what every row was fed (the talker prefill reads it)
+    accepted_hidden: torch.Tensor | None  # [T, H]: HF hidden_states[accept_hidden_layer] of every row, if asked
 
 
 def create_decoder_layer(cfg: ThinkerTextConfig, layer_idx: int) -> DecoderLayer:
@@ -142,3 +150,46 @@ class ThinkerModel(nn.Module):
         return ThinkerOutput(
             logits=self.lm_head(x), inputs_embeds=inputs_embeds, accepted_hidden=accepted, last_hidden=x
         )
+
+    def forward_paged(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        logits_indices: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+        accept_hidden_layer: int | None = None,
+    ) -> ThinkerPagedOutput:
+        """One step of a ragged batch over the paged cache: flat input_ids [T] (prefill chunks and
+        decode rows of many sequences, padding last), positions [T] (text and audio: all M-RoPE axes
+        equal) or [3, T] -> logits [S, V] of rows `logits_indices` [S].
+
+        `inputs_embeds` [T, H] replaces the embedding lookup (the caller scatters audio embeddings
+        into the placeholder rows itself); `accept_hidden_layer` as in `forward`. Only the rows in
+        `logits_indices` go through the final norm and lm_head (and every row when the accepted
+        hidden state is the post-norm one).
+        """
+        text = self.model.language_model
+        expect_shapes(
+            ("input_ids", input_ids, "[T]", torch.long), ("positions", positions, "[T] | [3, T]", torch.long),
+            ("logits_indices", logits_indices, "[S]", torch.long),
+            ("inputs_embeds", inputs_embeds, "[T, H]", FLOATING), dims={"H": self.cfg.text.hidden_size},
+        )
+        num_layers = len(text.layers)
+        if accept_hidden_layer is not None and not 0 <= accept_hidden_layer <= num_layers:
+            raise ValueError(f"accept_hidden_layer={accept_hidden_layer} is outside [0, {num_layers}]")
+        if inputs_embeds is None:
+            inputs_embeds = text.embed_tokens(input_ids)
+        cos, sin = text.rotary.paged_cos_sin(positions, self.cfg.text.max_position_embeddings, inputs_embeds.dtype)
+        x = inputs_embeds[None]
+        accepted = inputs_embeds if accept_hidden_layer == 0 else None
+        for i, layer in enumerate(text.layers):
+            x = layer(x, cos, sin, ctx, i)
+            if accept_hidden_layer == i + 1 and i + 1 < num_layers:
+                accepted = x[0]
+        if accept_hidden_layer == num_layers:
+            accepted = text.norm(x[0])
+            hidden = accepted.index_select(0, logits_indices)
+        else:
+            hidden = text.norm(x[0].index_select(0, logits_indices))
+        return ThinkerPagedOutput(self.lm_head(hidden), inputs_embeds, accepted)
