@@ -88,10 +88,15 @@ def _pcm(num_samples: int, seed: int) -> np.ndarray:
     return (wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
 
 
+# Reply tokens and frames per request: replies shorter than their audio (the talker pads after
+# tts_eos) and longer (the talker stops first, the thinker goes on), in both text and audio prompts.
+LIMITS = [(3, 7), (12, 5), (6, 12), (9, 9), (4, 4), (10, 14), (5, 6), (8, 11)]
+
+
 def requests() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     """(our payload, the reference's generate kwargs): text prompts and audio prompts of different lengths."""
     out = []
-    for i, num_text in enumerate((2, 9, 4, 14, 6)):
+    for num_text in (2, 9, 4, 14, 6):
         ids = tiny_prompt_ids(num_user_text=num_text)
         out.append(({"token_ids": ids}, {"input_ids": torch.tensor([ids])}))
     for seed, num_samples in ((1, 12_000), (2, 19_000), (3, 27_000)):
@@ -105,7 +110,9 @@ def requests() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     return out
 
 
-def hf_turn(ref: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def hf_turn(
+    ref: torch.nn.Module, kwargs: dict[str, Any], max_new_tokens: int = MAX_NEW_TOKENS, max_frames: int = MAX_FRAMES,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     captured: list[torch.Tensor] = []
     decode = ref.code2wav.chunked_decode
 
@@ -117,8 +124,8 @@ def hf_turn(ref: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor,
     try:
         with torch.no_grad():
             text_ids, wav = ref.generate(
-                speaker="Ethan", thinker_max_new_tokens=MAX_NEW_TOKENS, thinker_do_sample=False,
-                thinker_eos_token_id=TINY_IDS["im_end"], talker_max_new_tokens=MAX_FRAMES + 1,
+                speaker="Ethan", thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
+                thinker_eos_token_id=TINY_IDS["im_end"], talker_max_new_tokens=max_frames + 1,
                 talker_do_sample=False, **kwargs,
             )
     finally:
@@ -126,10 +133,12 @@ def hf_turn(ref: torch.nn.Module, kwargs: dict[str, Any]) -> tuple[torch.Tensor,
     return text_ids[0], captured[0][0], wav.reshape(-1)
 
 
-def submit_all(omni: Pipeline, payloads: list[dict[str, Any]], stagger_s: float) -> list[list[Any]]:
+def submit_all(
+    omni: Pipeline, payloads: list[dict[str, Any]], params: list[dict[str, Any]], stagger_s: float,
+) -> list[list[Any]]:
     async def one(i: int, payload: dict[str, Any]) -> list[Any]:
         await asyncio.sleep(i * stagger_s)
-        return [o async for o in omni.coordinator.submit(payload)]
+        return [o async for o in omni.coordinator.submit(payload, params[i])]
 
     async def go() -> list[list[Any]]:
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(payloads)), return_exceptions=True)
@@ -146,20 +155,28 @@ def test_eight_staggered_requests_stream_what_the_reference_generates(
 ) -> None:
     ref, ckpt = reference
     cases = requests()
-    outputs = submit_all(omni, [payload for payload, _ in cases], stagger_s=0.1)
+    params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for n, f in LIMITS]
+    outputs = submit_all(omni, [payload for payload, _ in cases], params, stagger_s=0.1)
     lookahead = lookahead_samples(Qwen3OmniConfig.from_json_file(ckpt).code2wav)
-    for (payload, kwargs), got in zip(cases, outputs, strict=True):
+    for (_, kwargs), (max_new_tokens, max_frames), got in zip(cases, LIMITS, outputs, strict=True):
         assert not isinstance(got, BaseException), got
-        text_ids, codes, wav = hf_turn(ref, kwargs)
+        text_ids, codes, wav = hf_turn(ref, kwargs, max_new_tokens, max_frames)
         thinker = by_stage(got, "thinker")
         assert kwargs["input_ids"][0].tolist() + thinker[-1]["token_ids"] == text_ids.tolist()
-        frames = [p["codes"] for p in by_stage(got, "talker") if "codes" in p]
-        assert torch.equal(torch.cat([torch.as_tensor(f) for f in frames], dim=1), codes)
-        pcm = torch.cat([torch.as_tensor(p["pcm"]).reshape(-1) for p in by_stage(got, "code2wav") if "pcm" in p])
+        frames = [torch.tensor(np.array(p["codes"])) for p in by_stage(got, "talker") if "codes" in p]
+        assert frames and torch.equal(torch.cat(frames, dim=1), codes)
+        pcm = torch.cat([torch.tensor(np.array(p["pcm"])).reshape(-1) for p in by_stage(got, "code2wav") if "pcm" in p])
         assert pcm.shape[0] == wav.shape[0] + lookahead
         err = (pcm[: wav.shape[0]] - wav).abs().max().item()
         assert err <= 1e-4, err
         assert wav.abs().max() > 1e-3
+        # The first-audio accounting: each stage's first output, in pipeline order, on one clock.
+        stamps = next(o.timings for o in got if o.stage == "code2wav")
+        order = ["submit", "encoder", "thinker", "talker", "code2wav"]
+        assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stamps
+        print(f"prompt {len(kwargs['input_ids'][0])} tokens: {len(thinker[-1]['token_ids'])} reply tokens, "
+              f"{codes.shape[-1]} frames, {pcm.shape[0]} samples, max err {err:.1e}, first audio "
+              f"{1000 * (stamps['code2wav'] - stamps['submit']):.0f} ms")
 
 
 def counters(omni: Pipeline, stage: str) -> dict[str, int]:

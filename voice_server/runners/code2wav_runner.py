@@ -73,6 +73,9 @@ class Code2WavRunner(Runner[Code2WavBatch, Code2WavResult]):
         stream = self._streams.get(item.request_id)
         if stream is None:
             raise AdmissionError(f"request {item.request_id}: codes before the request opened")
+        if item.kind is WorkKind.CHUNK and "codes" not in item.payload:
+            # NOTE: the talker's codec-EOS step streams its token and no frame.
+            return dataclasses.replace(item, payload={"num_frames": 0})
         codes = self._codes(item.payload.get("codes"))
         if codes.shape[1] > 0:
             stream.pending.append(codes)

@@ -22,6 +22,7 @@ import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.runners.payload import float_rows
 from voice_server.scheduling import AdmissionError
 
 _PROMPT_KEYS = ("prompt_ids", "prompt_embeds", "mm_hidden", "tts_embeds")
@@ -139,10 +140,4 @@ def _ids(where: str, value: Any) -> list[int]:
 
 
 def _rows(where: str, value: Any, hidden_size: int, num_rows: int | None) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or value.ndim != 2 or value.shape[1] != hidden_size \
-            or not value.is_floating_point() or (num_rows is not None and value.shape[0] != num_rows):
-        want = f"[{'N' if num_rows is None else num_rows}, {hidden_size}]"
-        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-        raise AdmissionError(f"{where}: must be a float tensor {want}, got {got}")
-    # NOTE: a copy: relay memory is acked when the request leaves the stage, and rows are kept.
-    return value.clone()
+    return float_rows(where, value, hidden_size, num_rows)

@@ -25,6 +25,8 @@ from voice_server.models.paged import PagedKVCache, build_attention_context
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.models.qwen3_omni.talker.step import step_paged
+from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.runners.talker_feed import TalkerFeed
 from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
@@ -79,9 +81,8 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         self.ar_spec = ARSpec(self.plan.num_pages, config.page_size, self.plan.max_model_len,
                               (cfg.codec_eos_token_id,), is_prefix_cacheable=False)
         self.feeds: dict[str, TalkerFeed] = {}
-        self.generator = torch.Generator(self.device)
-        if config.seed is not None:
-            self.generator.manual_seed(config.seed)
+        self.sampler = Sampler(config.seed)
+        """Per-request generators (only drawn from when `sampling` samples)."""
         log.info("talker KV cache: %d pages x %d positions", self.plan.num_pages, config.page_size)
 
     # -- admission: the thinker's token stream -> prompt positions and output limits -------------------
@@ -128,6 +129,7 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
 
     def release(self, request_id: str) -> None:
         self.feeds.pop(request_id, None)
+        self.sampler.release(request_id)
 
     # -- the step ---------------------------------------------------------------------------------------
 
@@ -135,7 +137,7 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
     def execute(self, batch: ARBatch) -> ARResult:
         seqs = batch.seqs
         feeds = [self.feeds[s.request_id] for s in seqs]
-        rows = [f.input_rows(s.start_pos, s.start_pos + len(s.token_ids)) for s, f in zip(seqs, feeds)]
+        inputs = torch.cat([f.input_rows(s.start_pos, s.start_pos + len(s.token_ids)) for s, f in zip(seqs, feeds)])
         ctx, positions = build_attention_context(
             self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], batch.num_tokens, self.device)
         sampling_rows, sampling = [], []
@@ -145,39 +147,30 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             if seq.is_sampling:
                 sampling_rows.append(last_row)
                 sampling.append(i)
-        inputs = torch.cat(rows)
-        index = torch.tensor(sampling_rows or [0], dtype=torch.long, device=self.device)
-        logits, hidden = self.talker.forward_paged(inputs, positions, ctx, index)
+        index = torch.tensor(sampling_rows or [last_row], dtype=torch.long, device=self.device)
         if not sampling:
+            self.talker.forward_paged(inputs, positions, ctx, index)  # prefill chunks only: KV, no frame
             return ARResult(tuple(SeqOutput(None) for _ in seqs))
-        code0s, frames = self._sample_frames(hidden, logits, [feeds[i] for i in sampling])
-        outputs: list[SeqOutput] = [SeqOutput(None) for _ in seqs]
-        for i, code0, codes in zip(sampling, code0s, frames):
-            outputs[i] = SeqOutput(code0, "", {} if codes is None else {"codes": codes})
-        return ARResult(tuple(outputs))
-
-    def _sample_frames(
-        self, hidden: torch.Tensor, logits: torch.Tensor, feeds: list[TalkerFeed]
-    ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Code 0 at each sampling row, then the code predictor's codebooks 1..G-1 for all of them:
-        (code 0 per row, the frame's codes [G, 1] per row, None for codec EOS)."""
-        talker, vocab = self.talker, self.talker.cfg.vocab_size
+        frame_feeds = [feeds[i] for i in sampling]
+        vocab = self.talker.cfg.vocab_size
         seen = torch.stack([f.code0_seen if f.code0_seen is not None
-                            else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in feeds])
-        sampling = self.config.sampling
-        code0 = talker.select_code0(logits, seen, sampling, self.generator)
-        code0_embed = talker.model.codec_embedding(code0)
-        fill = talker.code_predictor.fill(hidden, code0_embed, sampling.residual, self.generator)
-        codec_sums = code0_embed + fill.embeds.sum(1)
-        codes = torch.cat((code0[:, None], fill.codes), dim=1)
-        ids = code0.tolist()
-        eos = talker.cfg.codec_eos_token_id
-        out_codes: list[torch.Tensor | None] = []
-        for j, feed in enumerate(feeds):
+                            else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in frame_feeds])
+        # NOTE: a zero text vector makes `next_input_embeds` the codebook-embedding sum itself; the
+        # feed adds each frame's text vector when that row is fed (the same sum `Talker.step` does).
+        step = step_paged(
+            self.talker, inputs, positions, ctx, index,
+            text_vec=torch.zeros(len(sampling), self.talker.cfg.hidden_size, dtype=self.dtype, device=self.device),
+            code0_seen=seen, samplings=[self.config.sampling] * len(sampling),
+            generators=[self.sampler.generator(seqs[i].request_id, None, self.device) for i in sampling],
+        )
+        code0s = step.codes[:, 0].tolist()
+        eos = self.talker.cfg.codec_eos_token_id
+        outputs: list[SeqOutput] = [SeqOutput(None) for _ in seqs]
+        for j, (i, feed, code0) in enumerate(zip(sampling, frame_feeds, code0s)):
             feed.code0_seen = seen[j]
-            if ids[j] == eos:
-                out_codes.append(None)  # NOTE: the reference never fills the EOS frame; it ends the reply
+            if code0 == eos:
+                outputs[i] = SeqOutput(code0)  # NOTE: the reference never fills the EOS frame; it ends the reply
                 continue
-            feed.codec_sums.append(codec_sums[j])
-            out_codes.append(codes[j][:, None].clone())
-        return ids, out_codes
+            feed.codec_sums.append(step.next_input_embeds[j])
+            outputs[i] = SeqOutput(code0, "", {"codes": step.codes[j][:, None].clone()})
+        return ARResult(tuple(outputs))

@@ -28,6 +28,7 @@ from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig, DecoderShape
+from voice_server.runners.payload import float_rows
 from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARSeq
 
@@ -96,19 +97,8 @@ class ThinkerRunner(DecoderRunner):
         return admitted
 
     def _check_audio(self, audio: Any, num_placeholders: int) -> torch.Tensor:
-        hidden = self.shape.hidden_size
-        if not isinstance(audio, torch.Tensor) or audio.ndim != 2 or audio.shape[1] != hidden \
-                or not audio.is_floating_point():
-            got = tuple(audio.shape) if isinstance(audio, torch.Tensor) else type(audio).__name__
-            raise AdmissionError(f"payload.audio_embeds: must be a float tensor [N, {hidden}] (from the encoder "
-                                 f"stage) for the prompt's {num_placeholders} audio placeholders, got {got}")
-        if audio.shape[0] != num_placeholders:
-            raise AdmissionError(f"payload.audio_embeds: {audio.shape[0]} rows for {num_placeholders} "
-                                 "audio placeholders in payload.token_ids")
-        if not bool(torch.isfinite(audio).all()):
-            raise AdmissionError("payload.audio_embeds: has non-finite values")
-        # NOTE: a copy: the relay slot behind the payload is acked when the request leaves the stage.
-        return audio.to(self.device, self.dtype, copy=True)
+        rows = float_rows("payload.audio_embeds", audio, self.shape.hidden_size, num_placeholders)
+        return rows.to(self.device, self.dtype)
 
     def release(self, request_id: str) -> None:
         super().release(request_id)

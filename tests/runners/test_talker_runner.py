@@ -1,0 +1,108 @@
+"""TalkerRunner under the ARScheduler, fed the thinker's token stream one chunk at a time (in-process).
+
+Shows the streaming rule of `talker_feed.py`: the prefill runs once the second reply token arrives,
+each later token allows one more frame, the thinker's end lifts the limit, and the frames equal the
+reference frame loop (`turn.generate_frames`) on the prefill transformers' `generate` would build
+from the whole turn. Two requests are interleaved so steps batch them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.loading import load_part
+from voice_server.models.qwen3_omni.presets import tiny_config_dict, tiny_prompt_ids
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.models.qwen3_omni.turn import ThinkerTurn, generate_frames, run_greedy_thinker, turn_token_ids
+from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
+from voice_server.scheduling import ARScheduler, Emit, EmitKind, WorkItem, WorkKind
+
+torch.set_num_threads(1)
+CFG = Qwen3OmniConfig.from_hf_dict(tiny_config_dict())
+
+
+def models() -> tuple[ThinkerModel, Talker]:
+    thinker = load_part("thinker", CFG, load_format="dummy", seed=3)
+    talker = load_part("talker", CFG, load_format="dummy", seed=3)
+    assert isinstance(thinker, ThinkerModel) and isinstance(talker, Talker)
+    return thinker, talker
+
+
+def thinker_chunks(thinker: ThinkerModel, turn: ThinkerTurn, prompt_len: int) -> list[dict[str, Any]]:
+    """What `ThinkerRunner` streams for this turn: per reply token its embedding, the first with the prompt."""
+    embed = thinker.model.language_model.embed_tokens
+    prompt = turn.text_ids[0, :prompt_len]
+    reply = turn.text_ids[0, prompt_len:].tolist()
+    tts = torch.tensor([CFG.tts_bos_token_id, CFG.tts_eos_token_id, CFG.tts_pad_token_id])
+    chunks: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for k, token in enumerate(reply):
+            chunk: dict[str, Any] = {"token_ids": [token], "embed": embed(torch.tensor([token]))}
+            if k == 0:
+                chunk.update(prompt_ids=prompt.tolist(), prompt_embeds=embed(prompt),
+                             mm_hidden=torch.zeros(0, CFG.thinker.text.hidden_size), tts_embeds=embed(tts))
+            chunks.append(chunk)
+    return chunks
+
+
+def reference_codes(thinker: ThinkerModel, talker: Talker, turn: ThinkerTurn, prompt_len: int,
+                    max_frames: int) -> torch.Tensor:
+    ids = turn_token_ids(CFG)
+    with torch.no_grad():
+        tts = thinker.model.language_model.embed_tokens(torch.tensor(ids.tts_special_ids))
+        prefill = build_talker_prefill(talker, ids, turn.consumed_ids, prompt_len, turn.inputs_embeds,
+                                       turn.accepted_hidden, tts, "ethan")
+    frames = generate_frames(talker, prefill, max_frames, TalkerSampling())
+    return torch.stack([f.codes[0] for f in frames], dim=-1)
+
+
+def drain(sched: ARScheduler, runner: TalkerRunner) -> list[Emit]:
+    emits: list[Emit] = []
+    while (batch := sched.schedule(0.0)) is not None:
+        emits += sched.update(batch, runner.execute(batch))
+    return emits
+
+
+def test_frames_follow_the_thinker_stream_and_equal_the_reference() -> None:
+    thinker, talker = models()
+    runner = TalkerRunner(talker, turn_token_ids(CFG), TalkerRunnerConfig(budget_bytes=256 << 20,
+                                                                         thinker_hidden_size=32, page_size=4))
+    sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=64, prefix_cache=False)
+    cases = {"a": (tiny_prompt_ids(num_user_text=5), 7, 30), "b": (tiny_prompt_ids(num_user_text=11), 9, 30)}
+    streams, expected = {}, {}
+    for rid, (prompt, num_tokens, max_frames) in cases.items():
+        turn = run_greedy_thinker(thinker, torch.tensor([prompt]), CFG.talker.accept_hidden_layer, 10**6, num_tokens)
+        streams[rid] = thinker_chunks(thinker, turn, len(prompt))
+        expected[rid] = reference_codes(thinker, talker, turn, len(prompt), max_frames)
+        new = WorkItem(rid, WorkKind.NEW, {}, {"talker": {"max_frames": max_frames}}, is_stream=True)
+        sched.add(runner.admit(new), 0.0)
+    frames: dict[str, list[torch.Tensor]] = {rid: [] for rid in cases}
+    for k in range(max(len(s) for s in streams.values())):
+        for rid, chunks in streams.items():
+            if k < len(chunks):
+                sched.add(runner.admit(WorkItem(rid, WorkKind.CHUNK, chunks[k], seq=k)), 0.0)
+        for emit in drain(sched, runner):
+            if "codes" in emit.payload:
+                frames[emit.request_id].append(emit.payload["codes"])
+        for rid, chunks in streams.items():
+            if k < len(chunks):
+                # NOTE: after k + 1 reply tokens, k - 1 are known not to be the last: the prefill's
+                # frame plus one frame per text vector.
+                assert len(frames[rid]) == min(k, expected[rid].shape[-1]), (rid, k)
+    assert sched.next_wakeup(0.0) is None, "held requests must not spin"
+    for rid, chunks in streams.items():
+        sched.add(runner.admit(WorkItem(rid, WorkKind.DONE, {}, seq=len(chunks))), 0.0)
+    finals = [e for e in drain(sched, runner) if e.kind is EmitKind.RESULT or "codes" in e.payload]
+    for emit in finals:
+        if "codes" in emit.payload:
+            frames[emit.request_id].append(emit.payload["codes"])
+    for rid in cases:
+        assert torch.equal(torch.cat(frames[rid], dim=1), expected[rid]), rid
+    assert {e.request_id for e in finals if e.kind is EmitKind.RESULT} == set(cases)
+    assert sched.stats()["num_used_pages"] == 0 and sched.stats()["num_cached_pages"] == 0
