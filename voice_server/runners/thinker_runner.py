@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from voice_server.models.llama import GGUFTokenizer
 from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
@@ -59,10 +60,11 @@ def thinker_shape(cfg: Qwen3OmniConfig) -> DecoderShape:
 
 class ThinkerRunner(DecoderRunner):
     def __init__(
-        self, model: ThinkerModel, cfg: Qwen3OmniConfig, config: DecoderRunnerConfig, feeds_talker: bool
+        self, model: ThinkerModel, cfg: Qwen3OmniConfig, config: DecoderRunnerConfig, feeds_talker: bool,
+        tokenizer: GGUFTokenizer | None = None,
     ) -> None:
         text = model.model.language_model
-        super().__init__(model, None, config, thinker_shape(cfg), norm_weight=text.norm.weight)
+        super().__init__(model, tokenizer, config, thinker_shape(cfg), norm_weight=text.norm.weight)
         self.thinker, self.omni_cfg, self.feeds_talker = model, cfg, feeds_talker
         self.accept_hidden_layer = cfg.talker.accept_hidden_layer
         self.audio_token_id = cfg.thinker.audio_token_id

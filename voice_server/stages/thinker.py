@@ -4,6 +4,9 @@ factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`: `checkpoint` o
 `dtype`, `num_threads`), plus `page_size` (16), `max_model_len` (the model's), `sampler_seed` (null),
 `batch_invariant` (true), and `sampling` (request defaults; greedy with `max_tokens` 256 unless set).
 When the stage lists a `stream_to` (the talker), each token streams with what the talker consumes.
+With a checkpoint whose folder has `tokenizer.json`, requests may also send `messages`/`prompt` (text
+only: audio goes with `token_ids` and its audio blocks) and text deltas stream out; without one
+(the tiny preset) only `token_ids` and ids out.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.runners.ar_runner import DecoderRunnerConfig
 from voice_server.runners.thinker_runner import ThinkerRunner
 from voice_server.scheduling.contract import SamplingParams
+from voice_server.stages.llm import load_hf_tokenizer
 from voice_server.stages.omni_parts import read_omni_args
 
 OWN_ARGS = ("page_size", "max_model_len", "sampler_seed", "batch_invariant", "sampling")
@@ -46,7 +50,8 @@ def create_thinker(ctx: StageContext) -> ThinkerRunner:
         is_batch_invariant=is_batch_invariant,
         sampler_seed=args.int_arg("sampler_seed", None, minimum=0),
     )
+    tokenizer = load_hf_tokenizer(args.checkpoint) if args.checkpoint is not None else None
     try:
-        return ThinkerRunner(model, args.cfg, config, feeds_talker=bool(ctx.stage.stream_to))
+        return ThinkerRunner(model, args.cfg, config, feeds_talker=bool(ctx.stage.stream_to), tokenizer=tokenizer)
     except ValueError as exc:
         raise ConfigError(f"{args.where}: {exc}") from exc
