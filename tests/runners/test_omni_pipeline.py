@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
 from harness import Pipeline, shm_segments
+from omni_reference import hf_turn, save_reference
 
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.requests import RequestError
@@ -28,29 +28,17 @@ from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
 from voice_server.models.qwen3_omni.code2wav.streaming import lookahead_samples
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
-from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict, tiny_prompt_ids
+from voice_server.models.qwen3_omni.presets import tiny_prompt_ids
 
 torch.set_num_threads(1)
 MAX_NEW_TOKENS = 6
 MAX_FRAMES = 7
 
 
-@torch.no_grad()
-def _randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    # NOTE: as tests/models/qwen3_omni/test_turn.py: HF leaves many params trivial; set every one.
-    g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        r = torch.randn(p.shape, generator=g)
-        p.copy_(1.0 + 0.05 * r if p.ndim == 1 and "norm" in name else 0.1 * r)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
-    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**tiny_config_dict()))
-    _randomize_(ref.eval())
     ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni")
-    ref.save_pretrained(ckpt)
-    return ref, ckpt
+    return save_reference(ckpt), ckpt
 
 
 def omni_config(ckpt: Path) -> dict[str, Any]:
@@ -110,29 +98,6 @@ def requests() -> list[tuple[dict[str, Any], dict[str, Any]]]:
     return out
 
 
-def hf_turn(
-    ref: torch.nn.Module, kwargs: dict[str, Any], max_new_tokens: int = MAX_NEW_TOKENS, max_frames: int = MAX_FRAMES,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    captured: list[torch.Tensor] = []
-    decode = ref.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kw: object) -> torch.Tensor:
-        captured.append(codes.clone())
-        return decode(codes, **kw)
-
-    ref.code2wav.chunked_decode = spy
-    try:
-        with torch.no_grad():
-            text_ids, wav = ref.generate(
-                speaker="Ethan", thinker_max_new_tokens=max_new_tokens, thinker_do_sample=False,
-                thinker_eos_token_id=TINY_IDS["im_end"], talker_max_new_tokens=max_frames + 1,
-                talker_do_sample=False, **kwargs,
-            )
-    finally:
-        del ref.code2wav.chunked_decode
-    return text_ids[0], captured[0][0], wav.reshape(-1)
-
-
 def submit_all(
     omni: Pipeline, payloads: list[dict[str, Any]], params: list[dict[str, Any]], stagger_s: float,
 ) -> list[list[Any]]:
@@ -160,7 +125,8 @@ def test_eight_staggered_requests_stream_what_the_reference_generates(
     lookahead = lookahead_samples(Qwen3OmniConfig.from_json_file(ckpt).code2wav)
     for (_, kwargs), (max_new_tokens, max_frames), got in zip(cases, LIMITS, outputs, strict=True):
         assert not isinstance(got, BaseException), got
-        text_ids, codes, wav = hf_turn(ref, kwargs, max_new_tokens, max_frames)
+        text_ids, codes, wav = (t[0] for t in hf_turn(ref, max_new_tokens, max_frames, **kwargs))
+        wav = wav.reshape(-1)
         thinker = by_stage(got, "thinker")
         assert kwargs["input_ids"][0].tolist() + thinker[-1]["token_ids"] == text_ids.tolist()
         frames = [torch.tensor(np.array(p["codes"])) for p in by_stage(got, "talker") if "codes" in p]

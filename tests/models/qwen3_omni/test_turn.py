@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import transformers
+from omni_reference import hf_turn, save_reference
 
 from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
-from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict, tiny_prompt_ids
+from voice_server.models.qwen3_omni.presets import tiny_prompt_ids
 from voice_server.models.qwen3_omni.turn import TurnModels, load_turn_models, run_greedy_turn
 
 torch.set_num_threads(1)
@@ -24,47 +24,15 @@ MAX_NEW_TOKENS = 6
 MAX_FRAMES = 7
 
 
-@torch.no_grad()
-def _randomize_(model: torch.nn.Module, seed: int = 0) -> None:
-    # NOTE: HF leaves the talker experts uninitialised and many params near-trivial; set every one.
-    g = torch.Generator().manual_seed(seed)
-    for name, p in sorted(model.named_parameters()):
-        r = torch.randn(p.shape, generator=g)
-        if p.ndim == 1 and "norm" in name:
-            p.copy_(1.0 + 0.05 * r)
-        elif name.endswith(("alpha", "beta")):
-            p.copy_(0.1 * r)
-        else:
-            p.copy_(0.1 * r)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, TurnModels]:
-    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**tiny_config_dict()))
-    _randomize_(ref.eval())
     ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni")
-    ref.save_pretrained(ckpt)
+    ref = save_reference(ckpt)
     return ref, load_turn_models(ckpt)
 
 
 def _hf_turn(ref: torch.nn.Module, input_ids: torch.Tensor, **kwargs: object) -> tuple[torch.Tensor, ...]:
-    captured: list[torch.Tensor] = []
-    decode = ref.code2wav.chunked_decode
-
-    def spy(codes: torch.Tensor, **kw: object) -> torch.Tensor:
-        captured.append(codes.clone())
-        return decode(codes, **kw)
-
-    ref.code2wav.chunked_decode = spy
-    try:
-        text_ids, wav = ref.generate(
-            input_ids=input_ids, speaker="Ethan", thinker_max_new_tokens=MAX_NEW_TOKENS, thinker_do_sample=False,
-            thinker_eos_token_id=TINY_IDS["im_end"], talker_max_new_tokens=MAX_FRAMES + 1,
-            talker_do_sample=False, **kwargs,
-        )
-    finally:
-        del ref.code2wav.chunked_decode
-    return text_ids, captured[0], wav
+    return hf_turn(ref, MAX_NEW_TOKENS, MAX_FRAMES, input_ids=input_ids, **kwargs)
 
 
 def _check(ours: object, ref_out: tuple[torch.Tensor, ...]) -> None:
