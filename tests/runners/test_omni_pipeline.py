@@ -196,3 +196,28 @@ def test_a_request_refused_by_one_stage_fails_alone(omni: Pipeline, reference: t
         assert not isinstance(got, RequestError)
         assert any(o.stage == "code2wav" and o.is_final for o in got)
     wait_idle(omni)
+
+
+def test_all_stages_in_one_process_stream_the_same(reference: tuple[torch.nn.Module, Path]) -> None:
+    # NOTE: one `process` group runs the four schedulers round-robin in one shell; results must not change.
+    ref, ckpt = reference
+    cfg = omni_config(ckpt)
+    for stage in cfg["stages"]:
+        stage["process"] = "omni"
+    pipeline = Pipeline(pipeline_from_dict(cfg))
+    try:
+        cases = [requests()[i] for i in (1, 6)]  # one text prompt, one audio prompt
+        limits = [LIMITS[i] for i in (1, 6)]
+        params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for n, f in limits]
+        outputs = submit_all(pipeline, [payload for payload, _ in cases], params, stagger_s=0.05)
+        for (_, kwargs), (max_new_tokens, max_frames), got in zip(cases, limits, outputs, strict=True):
+            assert not isinstance(got, BaseException), got
+            _, codes, wav = (t[0] for t in hf_turn(ref, max_new_tokens, max_frames, **kwargs))
+            frames = [torch.tensor(np.array(p["codes"])) for p in by_stage(got, "talker") if "codes" in p]
+            assert torch.equal(torch.cat(frames, dim=1), codes)
+            pcm = torch.cat([torch.tensor(np.array(p["pcm"])).reshape(-1) for p in by_stage(got, "code2wav")
+                             if "pcm" in p])
+            assert (pcm[: wav.numel()] - wav.reshape(-1)).abs().max().item() <= 1e-4
+    finally:
+        pipeline.close()
+    assert shm_segments(pipeline.coordinator.launch_id) == []
