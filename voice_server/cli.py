@@ -28,7 +28,7 @@ def describe_topology(cfg: PipelineConfig) -> str:
     return "\n".join(lines)
 
 
-def check_config(path: str, *, show_traceback: bool = False) -> int:
+def check_config(path: str, *, show_traceback: bool = False, is_device_check: bool = True) -> int:
     """Validate a config and this host's fit for it without starting anything; print topology and budget.
 
     Exit 0 when it can start, 2 with one `config error: ...` paragraph when it cannot, 1 (one line) on an
@@ -37,7 +37,7 @@ def check_config(path: str, *, show_traceback: bool = False) -> int:
     try:
         cfg = load_pipeline(path)
         budgets = plan_budget(cfg)
-        check_environment(cfg)
+        check_environment(cfg, is_device_check=is_device_check)
     except ConfigError as exc:
         # NOTE: one_line is a last guarantee of one paragraph; messages are built as one line already.
         print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
@@ -51,6 +51,8 @@ def check_config(path: str, *, show_traceback: bool = False) -> int:
     print(describe_topology(cfg))
     print()
     print(format_budget(budgets))
+    if not is_device_check and any(s.device != "cpu" for s in cfg.stages):
+        print("\nnote: --skip-device-check: this host was not checked for the cuda devices above")
     return 0
 
 
@@ -150,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p_check = sub.add_parser("check-config", help="validate a pipeline and print its topology and memory budget")
     p_check.add_argument("config")
     p_check.add_argument("--traceback", action="store_true", help="show the traceback of an unexpected failure")
+    p_check.add_argument("--skip-device-check", action="store_true",
+                         help="do not require the config's cuda:N devices on this host (check a GPU config elsewhere)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         limits = {
@@ -159,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args.config, args.host, args.port, args.log_level, limits)
     if args.command == "ask":
         return ask(args.config, args.question, args.system, args.max_tokens, args.log_level)
-    return check_config(args.config, show_traceback=args.traceback)
+    return check_config(args.config, show_traceback=args.traceback, is_device_check=not args.skip_device_check)
 
 
 if __name__ == "__main__":

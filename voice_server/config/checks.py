@@ -6,7 +6,9 @@ per rule, each raising a one-line `ConfigError` that names the stage or pipeline
 - every stage's `factory` resolves: its module imports and has the callable (not called);
 - every stage's `scheduler` is implemented (`voice_server.scheduling.SCHEDULER_BUILDERS`);
 - the relay slabs fit in `/dev/shm`;
-- with `control_transport: tcp`, `tcp_host` is an address this host can bind.
+- with `control_transport: tcp`, `tcp_host` is an address this host can bind;
+- every `cuda:N` a stage names is a CUDA device this host has (skippable: a GPU config can be checked
+  on a laptop or in CI, everything but the devices).
 """
 
 from __future__ import annotations
@@ -96,16 +98,44 @@ def check_tcp_host(cfg: PipelineConfig) -> None:
         sock.close()
 
 
-def check_environment(cfg: PipelineConfig, *, is_import_allowed: bool = True) -> None:
+def cuda_device_count() -> int:
+    """CUDA devices this host shows: 0 without a driver, a GPU, or a CUDA build of torch."""
+    import torch
+
+    # NOTE: device_count asks NVML where it can, and creates no CUDA context in this process.
+    return int(torch.cuda.device_count())
+
+
+def check_devices(cfg: PipelineConfig, count_devices: Callable[[], int] = cuda_device_count) -> None:
+    gpu_stages = [s for s in cfg.stages if s.device_key != "cpu"]
+    if not gpu_stages:
+        return
+    count = count_devices()
+    for stage in gpu_stages:
+        index = int(stage.device_key.partition(":")[2])
+        if index >= count:
+            have = "no CUDA device" if count == 0 else f"{count} CUDA device{'' if count == 1 else 's'}"
+            raise fail(
+                f"stage '{stage.name}'", "device",
+                f"{stage.device} is not on this host ({have} visible); run it on the GPU host, or "
+                "`check-config --skip-device-check` to check everything else",
+            )
+
+
+def check_environment(cfg: PipelineConfig, *, is_import_allowed: bool = True, is_device_check: bool = True) -> None:
     """Run every environment check, cheapest first; raises the first ConfigError.
 
-    `is_import_allowed=False` skips resolving factories: importing them may load torch and model code
-    into a process (the server's) that should not hold it. The stage processes resolve them anyway.
+    `is_import_allowed=False` skips resolving factories and counting GPUs: both import torch (and
+    model code) into a process (the server's) that should not hold it. The stage processes resolve
+    their factories anyway, and fail on a missing device when they place their weights.
+    `is_device_check=False` skips only the GPU count (`check-config --skip-device-check`).
     """
     check_schedulers(cfg)
     check_tcp_host(cfg)
     check_shm(cfg)
     if is_import_allowed:
+        if is_device_check:
+            check_devices(cfg)
         check_factories(cfg)
 
 

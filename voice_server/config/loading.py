@@ -192,8 +192,9 @@ def pipeline_from_dict(raw: Any) -> PipelineConfig:
         if "stream_to" in kwargs:
             value = kwargs["stream_to"]
             kwargs["stream_to"] = tuple(value) if isinstance(value, list) else (value,)
-        if kwargs.get("factory_args") is None:
-            kwargs.pop("factory_args", None)
+        for optional in ("factory_args", "env"):
+            if optional in kwargs and kwargs[optional] is None:
+                kwargs.pop(optional)  # NOTE: `env:` with nothing after it reads as null: no variables
         stages.append(StageConfig(**kwargs))
     top["stages"] = tuple(stages)
     top.setdefault("name", name)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from voice_server.config.env import check_env, check_process_env, process_env
 from voice_server.config.errors import ConfigError, fail, quoted
 from voice_server.config.fields import Choice, Flag, Number, Rule, Text, check_fields
 from voice_server.config.topology import check_topology, reachable_from
@@ -40,7 +41,8 @@ STAGE_RULES: dict[str, Rule] = {
     "initial_chunk_frames": Number(int, minimum=1),
     "chunk_frames": Number(int, minimum=1),
 }
-"""Scalar fields of a stage and their rules; `next`, `stream_to`, `factory_args` are checked by hand."""
+"""Scalar fields of a stage and their rules; `next`, `stream_to`, `factory_args` are checked by hand, `env`
+in `config/env.py`."""
 
 @dataclass(frozen=True)
 class StageConfig:
@@ -78,6 +80,8 @@ class StageConfig:
     """`code2wav` stages: codec frames in each later chunk (at 12.5 Hz, 10 frames = 0.8 s of audio)."""
     factory_args: dict[str, Any] = field(default_factory=dict)
     """Free-form keyword arguments for the factory."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables the stage's process sets before it imports torch (`config/env.py`)."""
 
     def __post_init__(self) -> None:
         where = f"stage {quoted(self.name)}"
@@ -90,6 +94,7 @@ class StageConfig:
             raise fail(where, "tp_size", "only 1 is supported until tensor parallelism lands")
         if not isinstance(self.factory_args, dict):
             raise fail(where, "factory_args", "must be a mapping")
+        check_env(where, self.env)
         if self.scheduler == "ar" and self.max_step_tokens < self.max_batch_size:
             # NOTE: decode takes one token per running request per step; a smaller budget would
             # leave some running requests without a token every step.
@@ -168,6 +173,7 @@ class PipelineConfig:
         if not self.stages:
             raise fail(where, "stages", "at least one stage is required")
         check_topology(where, self.stages, self.entry_stage)
+        check_process_env(self.stages)
         if self.max_relay_bytes is not None and self.max_relay_bytes < self.relay_slab_bytes:
             raise fail(where, "max_relay_bytes", f"must be at least relay_slab_bytes ({self.relay_slab_bytes})")
         if self.max_restart_backoff_s < self.restart_backoff_s:
@@ -201,3 +207,6 @@ class PipelineConfig:
             groups.setdefault(stage.process_name, []).append(stage)
         return {name: tuple(stages) for name, stages in groups.items()}
 
+    def process_env(self, process: str) -> dict[str, str]:
+        """The environment variables process group `process` sets at start (its stages' `env`)."""
+        return process_env(self.processes[process])

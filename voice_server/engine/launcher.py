@@ -10,11 +10,13 @@ import os
 import signal
 import time
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 from voice_server.config import PipelineConfig, StageBudget
+from voice_server.engine.bootstrap import start_stage_process
 from voice_server.engine.ipc import Endpoints
 from voice_server.engine.limits import EngineLimits
-from voice_server.engine.process import ProcessSpec, run_stage_process
+from voice_server.engine.process import ProcessSpec
 
 _SPAWN = multiprocessing.get_context("spawn")
 
@@ -82,7 +84,10 @@ class Launcher:
             self.launch_id, name, handle.generation + 1, self.cfg, self.budgets, self.endpoints, self.limits,
             logging.getLogger().getEffectiveLevel(),
         )
-        process = _SPAWN.Process(target=run_stage_process, args=(spec,), name=f"voice-server[{name}]", daemon=True)
+        # NOTE: the spec goes pickled so the child applies the stages' `env` before unpickling it
+        # imports the engine and torch (`engine/bootstrap.py`).
+        args = (self.cfg.process_env(name), bytes(ForkingPickler.dumps(spec)))
+        process = _SPAWN.Process(target=start_stage_process, args=args, name=f"voice-server[{name}]", daemon=True)
         process.start()  # NOTE: may raise (EMFILE, EAGAIN): the handle is unchanged then
         if handle.process is not None:
             handle.retired.append(handle.process)

@@ -3,8 +3,10 @@
 factory_args common to the encoder, thinker, talker and code2wav stages:
 - `checkpoint`: a checkpoint directory (config.json + safetensors, the released layout or a
   `save_pretrained` output). Each stage loads only its own part's weights.
-- `preset`: `tiny` instead of a checkpoint: the tiny test config with seeded dummy weights (`seed`,
-  default 0). Stages given the same preset and seed hold the same weights.
+- `preset` instead of a checkpoint: seeded dummy weights (`seed`, default 0) of `tiny` (the tiny test
+  config) or `released` (the released Qwen3-Omni-30B-A3B sizes, `Qwen3OmniConfig()`: for timing and
+  memory checks on a GPU without the checkpoint; ~66 GiB in bf16 over the four parts). Stages given
+  the same preset and seed hold the same weights.
 - `dtype`: `fp32` (default on CPU) or `bf16` (default on CUDA).
 - `num_threads` (null: torch's default): intra-op threads of the stage's process.
 
@@ -27,7 +29,7 @@ from voice_server.models.qwen3_omni.loading import Part, load_part
 from voice_server.models.qwen3_omni.presets import tiny_config_dict
 
 COMMON_ARGS = ("checkpoint", "preset", "seed", "dtype", "num_threads")
-PRESETS = ("tiny",)
+PRESETS = ("tiny", "released")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -46,8 +48,13 @@ class OmniArgs:
     def load(self, part: Part) -> nn.Module:
         """This stage's part: the checkpoint's weights, or the preset's seeded dummy weights."""
         load_format = "dummy" if self.checkpoint is None else "auto"
-        return load_part(part, self.cfg, self.checkpoint, load_format=load_format, dtype=self.dtype,
-                         device=self.device, seed=self.seed)
+        module = load_part(part, self.cfg, self.checkpoint, load_format=load_format, dtype=self.dtype,
+                           device=self.device, seed=self.seed)
+        if self.device.startswith("cuda"):
+            # NOTE: loading leaves float32 draws and staging copies in torch's cache; give them back
+            # to the driver so stages sharing the GPU can have them (the KV cache is sized next).
+            torch.cuda.empty_cache()
+        return module
 
     def int_arg(self, key: str, default: int | None, minimum: int) -> int | None:
         value = self.extra.get(key, default)
@@ -56,6 +63,14 @@ class OmniArgs:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise fail(self.where, f"factory_args.{key}", f"must be an integer >= {minimum}, got {show(value)}")
         return value
+
+
+def preset_config(preset: str) -> Qwen3OmniConfig:
+    """The model config of a `preset` (one of PRESETS); builds no weights."""
+    if preset == "released":
+        # NOTE: the defaults are the released 30B-A3B sizes and ids (`models/qwen3_omni/config.py`).
+        return Qwen3OmniConfig()
+    return Qwen3OmniConfig.from_hf_dict(tiny_config_dict(), where="preset tiny")
 
 
 def read_omni_args(ctx: StageContext, own_keys: tuple[str, ...] = ()) -> OmniArgs:
@@ -85,7 +100,7 @@ def read_omni_args(ctx: StageContext, own_keys: tuple[str, ...] = ()) -> OmniArg
     if preset is not None:
         if preset not in PRESETS:
             raise fail(where, "factory_args.preset", f"must be one of {', '.join(PRESETS)}, got {show(preset)}")
-        cfg = Qwen3OmniConfig.from_hf_dict(tiny_config_dict(), where="preset tiny")
+        cfg = preset_config(preset)
     else:
         if not isinstance(checkpoint, str) or not Path(checkpoint).expanduser().is_dir():
             raise fail(where, "factory_args.checkpoint", f"must be a checkpoint directory, got {show(checkpoint)}")

@@ -226,7 +226,8 @@ def _dummy_value(name: str, shape: torch.Size, g: torch.Generator, device: torch
         return 1.0 + 0.02 * r if name.endswith(".weight") else 0.02 * r  # norm weights / biases
     if len(shape) >= 3 and ".experts." not in name:  # conv kernels: unit-gain fan-in scaling
         return 0.5 * r / float(torch.tensor(shape[1:]).prod()) ** 0.5
-    return 0.02 * r  # Linear, Embedding, fused experts, routers
+    # NOTE: in place (the same bits as `0.02 * r`): no second float32 copy of a GiB-sized expert tensor.
+    return r.mul_(0.02)  # Linear, Embedding, fused experts, routers
 
 
 @torch.no_grad()

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One-shot check of the Qwen3-Omni pipeline on a CUDA machine (about 10 minutes on one H200):
+#   0. nvidia-smi and a CUDA build of torch (exits 3 at once without them: nothing to check here);
+#   1. check-config of the 30B-A3B configs on this host (devices included);
+#   2. the tiny pipeline with every stage on cuda: first text / first audio, 1 then 16 requests;
+#   3. the Talker+MTP frame step at the released sizes (dummy weights), batch 1 and 16;
+#   4. configs/qwen3-omni-30b-a3b.yaml with the released shapes on dummy weights (`preset: released`,
+#      no checkpoint needed): first text / first audio, 1 then 16 requests.
+# Everything runs eager: CUDA graphs are not implemented yet (CUDA_GRAPHS is their switch; only `off`).
+#
+# Usage: loadtest/gpu_check.sh            (from anywhere; PYTHON=... picks the interpreter)
+set -uo pipefail
+
+cd "$(dirname -- "${BASH_SOURCE[0]}")/.." || exit 1
+PYTHON="${PYTHON:-python}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# NOTE: the switch for CUDA graphs of the talker step: set to `on` once capture exists (bench_gpu.py
+# --cuda-graphs takes the same value).
+CUDA_GRAPHS="${CUDA_GRAPHS:-off}"
+
+if [[ "$CUDA_GRAPHS" != "off" ]]; then
+    echo "gpu_check: CUDA_GRAPHS=$CUDA_GRAPHS, but CUDA graphs are not implemented yet; run with CUDA_GRAPHS=off" >&2
+    exit 2
+fi
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    echo "gpu_check: no nvidia-smi on this machine: it needs an NVIDIA GPU and driver; nothing was run" >&2
+    exit 3
+fi
+if ! nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader; then
+    echo "gpu_check: nvidia-smi finds no usable GPU; nothing was run" >&2
+    exit 3
+fi
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "gpu_check: $PYTHON's torch sees no CUDA device (a CPU-only build?); nothing was run" >&2
+    exit 3
+fi
+num_gpus="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')"
+if command -v pgrep >/dev/null 2>&1 && pgrep -x nvidia-cuda-mps-control >/dev/null 2>&1; then
+    echo "CUDA MPS: the control daemon runs: the stages' CUDA_MPS_ACTIVE_THREAD_PERCENTAGE caps apply"
+else
+    echo "CUDA MPS: no control daemon (nvidia-cuda-mps-control -d): the stages' SM caps are ignored"
+fi
+echo "CUDA graphs: $CUDA_GRAPHS (eager only: capture is not implemented yet)"
+
+failed=()
+step() {
+    # step NAME SECONDS COMMAND...: run one check under a time limit; a failure is reported, not fatal.
+    local name="$1" limit="$2"
+    shift 2
+    echo
+    echo "== $name (limit ${limit} s)"
+    local start=$SECONDS
+    if timeout "$limit" "$@"; then
+        echo "== $name: ok in $((SECONDS - start)) s"
+    else
+        echo "== $name: FAILED (exit $?) after $((SECONDS - start)) s"
+        failed+=("$name")
+    fi
+}
+
+step "check-config 1 GPU" 120 "$PYTHON" -m voice_server.cli check-config configs/qwen3-omni-30b-a3b.yaml
+two_gpu_flags=()
+if (( num_gpus < 2 )); then
+    two_gpu_flags=(--skip-device-check)  # NOTE: one GPU here: check the rest of the 2-GPU config
+fi
+step "check-config 2 GPUs" 120 "$PYTHON" -m voice_server.cli check-config ${two_gpu_flags[@]+"${two_gpu_flags[@]}"} \
+    configs/qwen3-omni-30b-a3b-2gpu.yaml
+step "tiny pipeline on cuda" 180 "$PYTHON" loadtest/bench_gpu.py pipeline \
+    --config configs/qwen3-omni-tiny.yaml --device cuda --cuda-graphs "$CUDA_GRAPHS"
+step "talker step, released sizes" 180 "$PYTHON" loadtest/bench_gpu.py talker \
+    --preset released --device cuda --batches 1,16 --cuda-graphs "$CUDA_GRAPHS"
+step "30B-A3B pipeline, released shapes" 420 "$PYTHON" loadtest/bench_gpu.py pipeline \
+    --config configs/qwen3-omni-30b-a3b.yaml --preset released --cuda-graphs "$CUDA_GRAPHS"
+
+echo
+if (( ${#failed[@]} )); then
+    echo "gpu_check: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "gpu_check: all checks passed"

@@ -1,0 +1,115 @@
+"""The GPU deployment pieces, on CPU: the 30B-A3B configs validate (topology, fields, budget, env), the
+device check names a missing GPU, `preset: released` reads the released sizes (no weights built),
+`loadtest/gpu_check.sh` is sound shell that stops at once without a GPU, and its bench runs on the
+tiny preset."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from voice_server.config import ConfigError, load_pipeline, plan_budget
+from voice_server.config.checks import check_devices
+from voice_server.engine.runtime import StageContext
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.models.qwen3_omni.weights import build_on_meta
+from voice_server.stages.omni_parts import read_omni_args
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_CONFIGS = {"qwen3-omni-30b-a3b.yaml": {"cuda:0"}, "qwen3-omni-30b-a3b-2gpu.yaml": {"cuda:0", "cuda:1"}}
+GPU_CHECK = REPO / "loadtest" / "gpu_check.sh"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_gpu_configs_validate(name: str) -> None:
+    cfg = load_pipeline(REPO / "configs" / name)
+    assert {s.device_key for s in cfg.stages} == GPU_CONFIGS[name]
+    assert [s.name for s in cfg.stages] == ["encoder", "thinker", "talker", "code2wav"]
+    budgets = plan_budget(cfg)
+    for device in GPU_CONFIGS[name]:
+        assert sum(b.fraction for b in budgets if b.device == device) < 0.9  # NOTE: room for CUDA contexts
+    assert cfg.stage("code2wav").env == {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30"}
+    for stage in cfg.stages:
+        assert stage.factory_args["checkpoint"] == "/models/Qwen3-Omni-30B-A3B-Instruct"
+
+
+def test_the_device_check_names_the_missing_gpu() -> None:
+    cfg = load_pipeline(REPO / "configs" / "qwen3-omni-30b-a3b-2gpu.yaml")
+    with pytest.raises(ConfigError, match=r"stage 'encoder': field 'device': cuda:1 is not on this host \(no CUDA "
+                                          r"device visible\).*--skip-device-check"):
+        check_devices(cfg, lambda: 0)
+    with pytest.raises(ConfigError, match=r"cuda:1 is not on this host \(1 CUDA device visible\)"):
+        check_devices(cfg, lambda: 1)
+    check_devices(cfg, lambda: 2)
+    check_devices(load_pipeline(REPO / "configs" / "qwen3-omni-tiny.yaml"), lambda: 1 // 0)  # NOTE: never asked
+
+
+@pytest.mark.parametrize("name", list(GPU_CONFIGS))
+def test_check_config_checks_all_but_the_devices_when_told(name: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "voice_server.cli", "check-config", "--skip-device-check", f"configs/{name}"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "total cuda:0" in out.stdout and "--skip-device-check: this host was not checked" in out.stdout
+
+
+def test_released_preset_reads_the_released_sizes_without_weights() -> None:
+    cfg = load_pipeline(REPO / "configs" / "qwen3-omni-30b-a3b.yaml")
+    stage = cfg.stage("thinker")
+    args = {**stage.factory_args, "preset": "released"}
+    del args["checkpoint"]
+    stage = dataclasses.replace(stage, factory_args=args)
+    omni = read_omni_args(StageContext(stage, cfg, None, "x"), ("sampling",))
+    assert omni.cfg == Qwen3OmniConfig() and omni.checkpoint is None
+    assert omni.cfg.thinker.text.num_hidden_layers == 48 and omni.cfg.talker.num_code_groups == 16
+    # NOTE: the sizes the configs' memory plans quote, counted on the meta device (no memory).
+    thinker = sum(p.numel() for p in build_on_meta(ThinkerModel, omni.cfg.thinker).parameters())
+    talker = sum(p.numel() for p in build_on_meta(Talker, omni.cfg.talker).parameters())
+    assert (round(thinker / 1e9, 2), round(talker / 1e9, 2)) == (31.18, 3.32)
+
+
+def test_gpu_check_is_sound_shell() -> None:
+    assert subprocess.run(["bash", "-n", str(GPU_CHECK)], capture_output=True, text=True).returncode == 0
+    assert os.access(GPU_CHECK, os.X_OK)
+    shellcheck = shutil.which("shellcheck")
+    if shellcheck is not None:  # NOTE: not a skip: bash -n above always runs
+        out = subprocess.run([shellcheck, str(GPU_CHECK)], capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout
+
+
+def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
+    # NOTE: a fake nvidia-smi that finds nothing, so the test means the same on any machine.
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'No devices were found' >&2\nexit 6\n")
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, timeout=60,
+                         env={**_env(), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"})
+    assert out.returncode == 3, (out.stdout, out.stderr)
+    assert "nvidia-smi finds no usable GPU; nothing was run" in out.stderr
+    out = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, timeout=60,
+                         env={**_env(), "CUDA_GRAPHS": "on"})
+    assert out.returncode == 2 and "CUDA graphs are not implemented yet" in out.stderr
+
+
+def test_gpu_bench_talker_step_runs_on_the_tiny_preset() -> None:
+    out = subprocess.run(
+        [sys.executable, "loadtest/bench_gpu.py", "talker", "--preset", "tiny", "--device", "cpu", "--dtype", "fp32",
+         "--batches", "1,2", "--steps", "2"],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "CUDA graphs: off (eager only)" in out.stdout
+    assert "batch   1: Talker+MTP step" in out.stdout and "batch   2: Talker+MTP step" in out.stdout
