@@ -1,16 +1,16 @@
 """GPU timings behind `loadtest/gpu_check.sh`: the Talker + MTP frame step, and first audio of a pipeline.
 
-`talker`: one fused frame step (`Talker.step`: talker decode pass, code 0, the MTP's codes 1..G-1, the
-next input) at each batch size, on dummy weights of a preset (`released`: the 30B-A3B talker sizes).
-NOTE: it steps the concatenating `KVCache`, not the server's paged cache: the same matmuls and MoE,
-a slightly different attention; good for the order of magnitude and the batch scaling.
+`talker`: one frame step (talker decode pass, code 0, the MTP's codes 1..G-1, the next input) at each
+batch size, on dummy weights of a preset (`released`: the 30B-A3B talker sizes). `--cuda-graphs off`:
+the reference `Talker.step` on a concatenating `KVCache` (eager); `on`: the serving runner's decode
+path, `TalkerDecodeGraphs` over a paged cache (captured CUDA graphs on CUDA, the same fixed-shape
+buffers run eagerly elsewhere).
 
 `pipeline`: starts a pipeline config in real stage processes (optionally with every stage moved to
 `--device` and its checkpoint replaced by `--preset` dummy weights), sends one text request, then
 `--concurrency` at once, and prints each request's first text and first audio (ms after submit).
 
-CUDA graphs are not implemented: both run eager, and `--cuda-graphs` only accepts `off` (the switch
-is where capture will be selected once it exists).
+`--cuda-graphs on|off` also sets the talker stage's `cuda_graphs` in `pipeline` mode.
 
 Usage: python loadtest/bench_gpu.py talker --preset released --device cuda --batches 1,16
        python loadtest/bench_gpu.py pipeline --config configs/qwen3-omni-30b-a3b.yaml --preset released
@@ -30,9 +30,13 @@ import torch
 from voice_server.config import pipeline_from_dict, plan_budget
 from voice_server.config.loading import read_yaml
 from voice_server.models.layers import KVCache
+from voice_server.models.paged import PagedKVCache
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.loading import load_part
 from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.runners.talker_graphs import TalkerDecodeGraphs
+from voice_server.scheduling.contract import ARSeq, SamplingParams
 from voice_server.stages.omni_parts import PRESETS, preset_config
 
 PREFILL_LEN = 12
@@ -67,6 +71,31 @@ def talker_step_times(talker: Talker, batch: int, num_steps: int, device: torch.
     return times
 
 
+@torch.no_grad()
+def graph_step_times(talker: Talker, batch: int, num_steps: int, device: torch.device) -> list[float]:
+    """Seconds per decode step of the runner's fixed-shape path (`TalkerDecodeGraphs`), `batch` rows."""
+    cfg, dtype = talker.cfg, next(talker.parameters()).dtype
+    page_size, max_len = 16, PREFILL_LEN + num_steps + 8
+    pages_per_seq = -(-max_len // page_size)
+    cache = PagedKVCache(len(talker.model.layers), batch * pages_per_seq, page_size, cfg.num_key_value_heads,
+                         cfg.head_dim, dtype, device)
+    graphs = TalkerDecodeGraphs(talker, cache, TalkerSampling(), max_len, buckets=(batch,))
+    g = torch.Generator(device=device).manual_seed(batch)
+    inputs = torch.randn(batch, cfg.hidden_size, generator=g, device=device, dtype=dtype)
+    seen = torch.zeros(batch, cfg.vocab_size, dtype=torch.bool, device=device)
+    tables = [tuple(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
+    times = []
+    for i in range(num_steps + 3):
+        seqs = [ARSeq(str(b), (0,), PREFILL_LEN + i, tables[b], True, SamplingParams()) for b in range(batch)]
+        _sync(device)
+        t0 = time.perf_counter()
+        _, inputs, seen = graphs.run(seqs, inputs, seen)
+        _sync(device)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
 def run_talker(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     cfg = preset_config(args.preset)
@@ -74,9 +103,12 @@ def run_talker(args: argparse.Namespace) -> None:
     talker = load_part("talker", cfg, load_format="dummy", dtype=_DTYPES[args.dtype], device=str(device))
     assert isinstance(talker, Talker)
     print(f"talker ({args.preset}, {args.dtype}, {device}): built in {time.perf_counter() - t0:.1f} s; "
-          f"CUDA graphs: {args.cuda_graphs} (eager only)")
+          f"CUDA graphs: {args.cuda_graphs}")
     for batch in args.batches:
-        times = talker_step_times(talker, batch, args.steps, device)
+        if args.cuda_graphs == "on":
+            times = graph_step_times(talker, batch, args.steps, device)
+        else:
+            times = talker_step_times(talker, batch, args.steps, device)
         median = statistics.median(times)
         print(f"  batch {batch:>3}: Talker+MTP step median {1e3 * median:7.2f} ms, mean "
               f"{1e3 * statistics.fmean(times):7.2f} ms, max {1e3 * max(times):7.2f} ms "
@@ -84,7 +116,7 @@ def run_talker(args: argparse.Namespace) -> None:
 
 
 def derive_config(raw: dict[str, Any], device: str | None, preset: str | None, max_tokens: int,
-                  max_frames: int) -> dict[str, Any]:
+                  max_frames: int, cuda_graphs: str = "auto") -> dict[str, Any]:
     """The config with every stage on `device` and on `preset` dummy weights (when given), short replies."""
     for stage in raw["stages"]:
         args = dict(stage.get("factory_args") or {})
@@ -97,6 +129,7 @@ def derive_config(raw: dict[str, Any], device: str | None, preset: str | None, m
             args["sampling"] = {**(args.get("sampling") or {}), "max_tokens": max_tokens}
         if stage["factory"].endswith(":create_talker"):
             args["max_frames"] = max_frames
+            args["cuda_graphs"] = cuda_graphs
         stage["factory_args"] = args
     return raw
 
@@ -137,13 +170,14 @@ async def _pipeline(cfg: Any, payload: dict[str, Any], concurrency: list[int]) -
 
 
 def run_pipeline(args: argparse.Namespace) -> None:
-    raw = derive_config(read_yaml(Path(args.config)), args.device, args.preset, args.max_tokens, args.max_frames)
+    raw = derive_config(read_yaml(Path(args.config)), args.device, args.preset, args.max_tokens, args.max_frames,
+                        args.cuda_graphs)
     cfg = pipeline_from_dict(raw)
     plan_budget(cfg)
     thinker_args = next(s.factory_args for s in cfg.stages if s.factory.endswith(":create_thinker"))
     model = preset_config(thinker_args["preset"]) if "preset" in thinker_args else Qwen3OmniConfig.from_json_file(
         thinker_args["checkpoint"])
-    print(f"CUDA graphs: {args.cuda_graphs} (eager only)")
+    print(f"CUDA graphs (talker decode steps): {args.cuda_graphs}")
     asyncio.run(_pipeline(cfg, {"token_ids": prompt_ids(model)}, [1, *args.concurrency]))
 
 
@@ -168,8 +202,7 @@ def main() -> None:
     p_pipe.add_argument("--max-tokens", type=int, default=32)
     p_pipe.add_argument("--max-frames", type=int, default=64)
     for p in (p_talker, p_pipe):
-        # NOTE: the graphs switch: only `off` until CUDA graph capture of the talker step exists.
-        p.add_argument("--cuda-graphs", choices=("off",), default="off")
+        p.add_argument("--cuda-graphs", choices=("on", "off"), default="off")
     args = parser.parse_args()
     run_talker(args) if args.command == "talker" else run_pipeline(args)
 

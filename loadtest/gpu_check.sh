@@ -2,11 +2,13 @@
 # One-shot check of the Qwen3-Omni pipeline on a CUDA machine (about 10 minutes on one H200):
 #   0. nvidia-smi and a CUDA build of torch (exits 3 at once without them: nothing to check here);
 #   1. check-config of the 30B-A3B configs on this host (devices included);
-#   2. the tiny pipeline with every stage on cuda: first text / first audio, 1 then 16 requests;
-#   3. the Talker+MTP frame step at the released sizes (dummy weights), batch 1 and 16;
+#   2. the tiny pipeline with every stage on cuda: first text / first audio, 1 then 16 requests,
+#      with the talker's CUDA graphs off and on;
+#   3. the Talker+MTP frame step at the released sizes (dummy weights), batch 1 and 16: the eager
+#      reference step (graphs off) and the runner's captured decode graphs (on);
 #   4. configs/qwen3-omni-30b-a3b.yaml with the released shapes on dummy weights (`preset: released`,
-#      no checkpoint needed): first text / first audio, 1 then 16 requests.
-# Everything runs eager: CUDA graphs are not implemented yet (CUDA_GRAPHS is their switch; only `off`).
+#      no checkpoint needed): first text / first audio, 1 then 16 requests, graphs off and on.
+# CUDA_GRAPHS=off or on runs only that side (default: both).
 #
 # Usage: loadtest/gpu_check.sh            (from anywhere; PYTHON=... picks the interpreter)
 set -uo pipefail
@@ -14,14 +16,12 @@ set -uo pipefail
 cd "$(dirname -- "${BASH_SOURCE[0]}")/.." || exit 1
 PYTHON="${PYTHON:-python}"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# NOTE: the switch for CUDA graphs of the talker step: set to `on` once capture exists (bench_gpu.py
-# --cuda-graphs takes the same value).
-CUDA_GRAPHS="${CUDA_GRAPHS:-off}"
-
-if [[ "$CUDA_GRAPHS" != "off" ]]; then
-    echo "gpu_check: CUDA_GRAPHS=$CUDA_GRAPHS, but CUDA graphs are not implemented yet; run with CUDA_GRAPHS=off" >&2
-    exit 2
-fi
+CUDA_GRAPHS="${CUDA_GRAPHS:-both}"
+case "$CUDA_GRAPHS" in
+    both) graph_modes=(off on) ;;
+    off | on) graph_modes=("$CUDA_GRAPHS") ;;
+    *) echo "gpu_check: CUDA_GRAPHS must be off, on or both, got '$CUDA_GRAPHS'" >&2; exit 2 ;;
+esac
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     echo "gpu_check: no nvidia-smi on this machine: it needs an NVIDIA GPU and driver; nothing was run" >&2
     exit 3
@@ -40,7 +40,7 @@ if command -v pgrep >/dev/null 2>&1 && pgrep -x nvidia-cuda-mps-control >/dev/nu
 else
     echo "CUDA MPS: no control daemon (nvidia-cuda-mps-control -d): the stages' SM caps are ignored"
 fi
-echo "CUDA graphs: $CUDA_GRAPHS (eager only: capture is not implemented yet)"
+echo "CUDA graphs of the talker decode step: ${graph_modes[*]}"
 
 failed=()
 step() {
@@ -65,12 +65,16 @@ if (( num_gpus < 2 )); then
 fi
 step "check-config 2 GPUs" 120 "$PYTHON" -m voice_server.cli check-config ${two_gpu_flags[@]+"${two_gpu_flags[@]}"} \
     configs/qwen3-omni-30b-a3b-2gpu.yaml
-step "tiny pipeline on cuda" 180 "$PYTHON" loadtest/bench_gpu.py pipeline \
-    --config configs/qwen3-omni-tiny.yaml --device cuda --cuda-graphs "$CUDA_GRAPHS"
-step "talker step, released sizes" 180 "$PYTHON" loadtest/bench_gpu.py talker \
-    --preset released --device cuda --batches 1,16 --cuda-graphs "$CUDA_GRAPHS"
-step "30B-A3B pipeline, released shapes" 420 "$PYTHON" loadtest/bench_gpu.py pipeline \
-    --config configs/qwen3-omni-30b-a3b.yaml --preset released --cuda-graphs "$CUDA_GRAPHS"
+for graphs in "${graph_modes[@]}"; do
+    step "tiny pipeline on cuda, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py pipeline \
+        --config configs/qwen3-omni-tiny.yaml --device cuda --cuda-graphs "$graphs"
+    step "talker step, released sizes, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py talker \
+        --preset released --device cuda --batches 1,16 --cuda-graphs "$graphs"
+done
+for graphs in "${graph_modes[@]}"; do
+    step "30B-A3B pipeline, released shapes, graphs $graphs" 240 "$PYTHON" loadtest/bench_gpu.py pipeline \
+        --config configs/qwen3-omni-30b-a3b.yaml --preset released --cuda-graphs "$graphs"
+done
 
 echo
 if (( ${#failed[@]} )); then

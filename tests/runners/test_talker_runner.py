@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
@@ -69,10 +70,15 @@ def drain(sched: ARScheduler, runner: TalkerRunner) -> list[Emit]:
     return emits
 
 
-def test_frames_follow_the_thinker_stream_and_equal_the_reference() -> None:
+@pytest.mark.parametrize("decode_graphs", ["off", "on"])
+def test_frames_follow_the_thinker_stream_and_equal_the_reference(decode_graphs: str) -> None:
+    # NOTE: "on" runs decode-only steps on the fixed-shape buffers the CUDA graphs replay (eagerly on
+    # the CPU): padded page tables, one masked attention per layer, bucketed batch sizes; positions
+    # past `graph_max_len` (32 here) step on the exact path, so a turn mixes both.
     thinker, talker = models()
-    runner = TalkerRunner(talker, turn_token_ids(CFG), TalkerRunnerConfig(budget_bytes=256 << 20,
-                                                                         thinker_hidden_size=32, page_size=4))
+    config = TalkerRunnerConfig(budget_bytes=256 << 20, thinker_hidden_size=32, page_size=4,
+                                decode_graphs=decode_graphs, graph_max_len=32)
+    runner = TalkerRunner(talker, turn_token_ids(CFG), config)
     sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=64, prefix_cache=False)
     cases = {"a": (tiny_prompt_ids(num_user_text=5), 7, 30), "b": (tiny_prompt_ids(num_user_text=11), 9, 30)}
     streams, expected = {}, {}
@@ -106,3 +112,5 @@ def test_frames_follow_the_thinker_stream_and_equal_the_reference() -> None:
         assert torch.equal(torch.cat(frames[rid], dim=1), expected[rid]), rid
     assert {e.request_id for e in finals if e.kind is EmitKind.RESULT} == set(cases)
     assert sched.stats()["num_used_pages"] == 0 and sched.stats()["num_cached_pages"] == 0
+    if decode_graphs == "on":
+        assert runner.graphs is not None and runner.graphs.num_steps >= 5

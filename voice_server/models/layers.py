@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from voice_server.models.paged import AttentionContext
+    from voice_server.models.paged import PagedAttention
 
 
 class RMSNorm(nn.Module):
@@ -207,7 +207,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
-        kv_cache: KVCache | AttentionContext | None = None,
+        kv_cache: KVCache | PagedAttention | None = None,
         layer_idx: int = 0,
         extra_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -282,7 +282,7 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor | None,
         sin: torch.Tensor | None,
-        kv_cache: KVCache | AttentionContext | None,
+        kv_cache: KVCache | PagedAttention | None,
         layer_idx: int,
         extra_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -15,11 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from voice_server.models.layers import causal_mask
+
+
+class PagedAttention(Protocol):
+    """What a layer's `Attention` calls in place of a contiguous cache: write this step's keys and
+    values, attend. `AttentionContext` (exact, per sequence) and `paged_static.StaticDecodeContext`
+    (fixed shapes, for CUDA graphs) implement it."""
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None
+    ) -> torch.Tensor: ...
 
 
 class PagedKVCache:

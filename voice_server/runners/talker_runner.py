@@ -29,6 +29,7 @@ from voice_server.models.qwen3_omni.talker.step import step_paged
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.runners.talker_feed import TalkerFeed
+from voice_server.runners.talker_graphs import TalkerDecodeGraphs
 from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SeqOutput
 
@@ -49,13 +50,20 @@ class TalkerRunnerConfig:
     """Talker positions (prompt + frames) per request at most (M-RoPE has no table to outgrow)."""
     sampling: TalkerSampling = TalkerSampling()
     seed: int | None = None
+    decode_graphs: str = "auto"
+    """Decode-only steps on fixed-shape buffers (`talker_graphs.py`): `on`, `off`, or `auto` (on for
+    CUDA with greedy sampling, where they are captured as CUDA graphs; on the CPU they only run eagerly)."""
+    graph_max_len: int = 4096
+    """Positions the decode graphs cover; longer sequences step eagerly."""
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "thinker_hidden_size", "page_size", "max_step_tokens", "max_num_seqs",
-                     "max_frames", "max_model_len"):
+                     "max_frames", "max_model_len", "graph_max_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TalkerRunnerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.decode_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"TalkerRunnerConfig.decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
 
 
 class TalkerRunner(Runner[ARBatch, ARResult]):
@@ -83,6 +91,11 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         self.feeds: dict[str, TalkerFeed] = {}
         self.sampler = Sampler(config.seed)
         """Per-request generators (only drawn from when `sampling` samples)."""
+        is_greedy = config.sampling.code0.is_greedy and config.sampling.residual.is_greedy
+        is_graphs = config.decode_graphs == "on" or (
+            config.decode_graphs == "auto" and self.device.type == "cuda" and is_greedy)
+        self.graphs = TalkerDecodeGraphs(talker, self.cache, config.sampling, min(
+            config.graph_max_len, self.plan.max_model_len)) if is_graphs else None
         log.info("talker KV cache: %d pages x %d positions", self.plan.num_pages, config.page_size)
 
     # -- admission: the thinker's token stream -> prompt positions and output limits -------------------
@@ -138,32 +151,33 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         seqs = batch.seqs
         feeds = [self.feeds[s.request_id] for s in seqs]
         inputs = torch.cat([f.input_rows(s.start_pos, s.start_pos + len(s.token_ids)) for s, f in zip(seqs, feeds)])
-        ctx, positions = build_attention_context(
-            self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], batch.num_tokens, self.device)
-        sampling_rows, sampling = [], []
-        last_row = -1
-        for i, seq in enumerate(seqs):
-            last_row += len(seq.token_ids)
-            if seq.is_sampling:
-                sampling_rows.append(last_row)
-                sampling.append(i)
-        index = torch.tensor(sampling_rows or [last_row], dtype=torch.long, device=self.device)
-        if not sampling:
-            self.talker.forward_paged(inputs, positions, ctx, index)  # prefill chunks only: KV, no frame
-            return ARResult(tuple(SeqOutput(None) for _ in seqs))
+        sampling = [i for i, seq in enumerate(seqs) if seq.is_sampling]
         frame_feeds = [feeds[i] for i in sampling]
         vocab = self.talker.cfg.vocab_size
         seen = torch.stack([f.code0_seen if f.code0_seen is not None
-                            else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in frame_feeds])
-        # NOTE: a zero text vector makes `next_input_embeds` the codebook-embedding sum itself; the
-        # feed adds each frame's text vector when that row is fed (the same sum `Talker.step` does).
-        step = step_paged(
-            self.talker, inputs, positions, ctx, index,
-            text_vec=torch.zeros(len(sampling), self.talker.cfg.hidden_size, dtype=self.dtype, device=self.device),
-            code0_seen=seen, samplings=[self.config.sampling] * len(sampling),
-            generators=[self.sampler.generator(seqs[i].request_id, None, self.device) for i in sampling],
-        )
-        code0s = step.codes[:, 0].tolist()
+                            else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in frame_feeds]
+                           ) if sampling else torch.zeros(0, vocab, dtype=torch.bool, device=self.device)
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            codes, codec_sums, seen = self.graphs.run(seqs, inputs, seen)
+        else:
+            ctx, positions = build_attention_context(
+                self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], batch.num_tokens,
+                self.device)
+            ends = torch.tensor([len(s.token_ids) for s in seqs], device=self.device).cumsum(0) - 1
+            if not sampling:
+                self.talker.forward_paged(inputs, positions, ctx, ends[-1:])  # prefill chunks only: KV, no frame
+                return ARResult(tuple(SeqOutput(None) for _ in seqs))
+            # NOTE: a zero text vector makes `next_input_embeds` the codebook-embedding sum itself; the
+            # feed adds each frame's text vector when that row is fed (the same sum `Talker.step` does).
+            step = step_paged(
+                self.talker, inputs, positions, ctx, ends[sampling],
+                text_vec=torch.zeros(len(sampling), self.talker.cfg.hidden_size, dtype=self.dtype,
+                                     device=self.device),
+                code0_seen=seen, samplings=[self.config.sampling] * len(sampling),
+                generators=[self.sampler.generator(seqs[i].request_id, None, self.device) for i in sampling],
+            )
+            codes, codec_sums = step.codes, step.next_input_embeds
+        code0s = codes[:, 0].tolist()
         eos = self.talker.cfg.codec_eos_token_id
         outputs: list[SeqOutput] = [SeqOutput(None) for _ in seqs]
         for j, (i, feed, code0) in enumerate(zip(sampling, frame_feeds, code0s)):
@@ -171,6 +185,6 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             if code0 == eos:
                 outputs[i] = SeqOutput(code0)  # NOTE: the reference never fills the EOS frame; it ends the reply
                 continue
-            feed.codec_sums.append(step.next_input_embeds[j])
-            outputs[i] = SeqOutput(code0, "", {"codes": step.codes[j][:, None].clone()})
+            feed.codec_sums.append(codec_sums[j])
+            outputs[i] = SeqOutput(code0, "", {"codes": codes[j][:, None].clone()})
         return ARResult(tuple(outputs))

@@ -5,8 +5,11 @@ factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus `page_si
 `max_model_len` (32768 positions), `speaker` (`ethan`), `max_frames` (4096, per reply; a request
 may lower or raise it with `params.talker.max_frames`), `sampling` (`greedy`, the reference's
 `talker_do_sample=False`, default; or `sample`, its sampling defaults) and `sampler_seed` (null).
-The stage's `prefix_cache` has no effect here: talker inputs are embeddings, so equal ids need not
-mean equal keys and values (`ARSpec.is_prefix_cacheable` is false).
+`cuda_graphs` (`auto`: decode-only steps captured as CUDA graphs per batch-size bucket on CUDA with
+greedy sampling; `on` also runs their fixed-shape path eagerly on a CPU; `off`) and `graph_max_len`
+(4096 positions the graphs cover; longer sequences step eagerly). The stage's `prefix_cache` has no
+effect here: talker inputs are embeddings, so equal ids need not mean equal keys and values
+(`ARSpec.is_prefix_cacheable` is false).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from voice_server.models.qwen3_omni.turn import turn_token_ids
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
 from voice_server.stages.omni_parts import read_omni_args
 
-OWN_ARGS = ("page_size", "max_model_len", "speaker", "max_frames", "sampling", "sampler_seed")
+OWN_ARGS = ("page_size", "max_model_len", "speaker", "max_frames", "sampling", "sampler_seed", "cuda_graphs",
+            "graph_max_len")
 SAMPLING = {"greedy": TalkerSampling, "sample": TalkerSampling.hf_sampling}
 
 
@@ -31,6 +35,9 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
     if sampling_name not in SAMPLING:
         raise fail(args.where, "factory_args.sampling",
                    f"must be one of {', '.join(SAMPLING)}, got {show(sampling_name)}")
+    cuda_graphs = args.extra.get("cuda_graphs", "auto")
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise fail(args.where, "factory_args.cuda_graphs", f"must be auto, on or off, got {show(cuda_graphs)}")
     speaker = args.extra.get("speaker", "ethan")
     names = [name for name, _ in args.cfg.talker.speaker_ids]
     if not isinstance(speaker, str) or speaker.lower() not in names:
@@ -53,6 +60,8 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
             max_model_len=args.int_arg("max_model_len", 32768, minimum=2) or 32768,
             sampling=SAMPLING[sampling_name](),
             seed=args.int_arg("sampler_seed", None, minimum=0),
+            decode_graphs=cuda_graphs,
+            graph_max_len=args.int_arg("graph_max_len", 4096, minimum=1) or 4096,
         )
         return TalkerRunner(model, turn_token_ids(args.cfg), config)
     except ValueError as exc:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm
-from voice_server.models.paged import AttentionContext
+from voice_server.models.paged import PagedAttention
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.mrope import MRoPE
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
@@ -115,7 +115,7 @@ class Talker(nn.Module):
         self,
         inputs_embeds: torch.Tensor,
         positions: torch.Tensor,
-        ctx: AttentionContext,
+        ctx: PagedAttention,
         logits_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of a ragged batch over the paged cache: flat inputs_embeds [T, H] (prefill chunks

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from voice_server.models.paged import AttentionContext
+from voice_server.models.paged import PagedAttention
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.sampling import (
     TalkerSampling,
@@ -67,7 +67,7 @@ def step_paged(
     talker: Talker,
     inputs_embeds: torch.Tensor,
     positions: torch.Tensor,
-    ctx: AttentionContext,
+    ctx: PagedAttention,
     logits_indices: torch.Tensor,
     text_vec: torch.Tensor,
     code0_seen: torch.Tensor | None = None,

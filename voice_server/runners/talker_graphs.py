@@ -1,0 +1,126 @@
+"""Talker decode steps on fixed shapes, one set of buffers per batch-size bucket; CUDA graphs on CUDA.
+
+A decode-only talker step (every sequence feeds one row and makes one frame) is the hot loop of
+speech output: talker pass, code 0, the code predictor's G-1 small passes, all tiny kernels whose
+launch overhead dominates on a GPU. Here each bucket size B (1, 2, 4, 8, 16 by default) owns its
+input buffers, a `StaticDecodeContext` (page tables padded to `max_len` positions) and, on CUDA, a
+graph of `step_paged` captured once; a step of S <= B sequences copies its rows into the smallest
+bucket that fits and replays it. On the CPU the same buffers run eagerly (what the tests check
+against the dynamic path; no capture there). Only greedy talker sampling runs here: sampling inside
+a graph needs pre-drawn randomness, which is not built yet, so sampled requests stay eager.
+
+NOTE: the MoE layers must not loop over experts with a host sync inside a graph: on CUDA the
+experts' sync-free gathered path is enabled up to the largest bucket (`Experts.max_gathered_pairs`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from voice_server.models.paged import PagedKVCache
+from voice_server.models.paged_static import StaticDecodeContext
+from voice_server.models.qwen3_omni.moe import Experts
+from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
+from voice_server.models.qwen3_omni.talker.step import TalkerPagedStep, step_paged
+from voice_server.scheduling.contract import ARSeq
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class _Bucket:
+    ctx: StaticDecodeContext
+    inputs: torch.Tensor  # [B, H]
+    positions: torch.Tensor  # [B]
+    rows: torch.Tensor  # [B]: every row completes a frame
+    text_vec: torch.Tensor  # [B, H] zeros: the runner adds text vectors when it feeds a frame back
+    seen: torch.Tensor  # [B, V] code-0 repetition history, updated in place by the step
+    graph: torch.cuda.CUDAGraph | None = None
+    out: TalkerPagedStep | None = None
+
+
+class TalkerDecodeGraphs:
+    def __init__(
+        self, talker: Talker, cache: PagedKVCache, sampling: TalkerSampling, max_len: int,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+    ) -> None:
+        if not (sampling.code0.is_greedy and sampling.residual.is_greedy):
+            raise ValueError("decode graphs run greedy talker sampling only (no pre-drawn randomness yet)")
+        self.talker, self.cache, self.sampling = talker, cache, sampling
+        self.max_pages = -(-max_len // cache.page_size)
+        self.buckets = tuple(sorted(set(buckets)))
+        device = cache.kv.device
+        self.is_captured = device.type == "cuda"
+        if self.is_captured:
+            top_k = talker.cfg.num_experts_per_tok
+            for module in talker.modules():
+                if isinstance(module, Experts):
+                    module.max_gathered_pairs = max(module.max_gathered_pairs, self.buckets[-1] * top_k)
+        cfg, dtype = talker.cfg, cache.kv.dtype
+        self._buckets = {
+            size: _Bucket(
+                ctx=StaticDecodeContext(cache, size, self.max_pages),
+                inputs=torch.zeros(size, cfg.hidden_size, dtype=dtype, device=device),
+                positions=torch.zeros(size, dtype=torch.long, device=device),
+                rows=torch.arange(size, device=device),
+                text_vec=torch.zeros(size, cfg.hidden_size, dtype=dtype, device=device),
+                seen=torch.zeros(size, cfg.vocab_size, dtype=torch.bool, device=device),
+            )
+            for size in self.buckets
+        }
+        if self.is_captured:
+            for bucket in self._buckets.values():
+                self._capture(bucket)
+        self.num_steps = 0
+        """Steps run here (the rest ran on the runner's exact, dynamic path)."""
+
+    @property
+    def max_len(self) -> int:
+        return self.max_pages * self.cache.page_size
+
+    def can_run(self, seqs: Sequence[ARSeq]) -> bool:
+        """Decode-only steps (one row per sequence, each completing a frame) that fit a bucket."""
+        return len(seqs) <= self.buckets[-1] and all(
+            len(s.token_ids) == 1 and s.is_sampling and s.start_pos < self.max_len for s in seqs)
+
+    def run(
+        self, seqs: Sequence[ARSeq], inputs: torch.Tensor, seen: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One row per sequence: inputs [S, H], seen [S, V] -> (codes [S, G], codebook-embedding sums
+        [S, H], updated seen [S, V])."""
+        num_seqs = len(seqs)
+        self.num_steps += 1
+        bucket = self._buckets[next(b for b in self.buckets if b >= num_seqs)]
+        bucket.ctx.fill([(s.start_pos, s.page_ids) for s in seqs])
+        bucket.inputs[:num_seqs].copy_(inputs)
+        bucket.positions[:num_seqs].copy_(torch.tensor([s.start_pos for s in seqs]))
+        bucket.positions[num_seqs:].zero_()
+        bucket.seen[:num_seqs].copy_(seen)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            out = bucket.out
+        else:
+            out = self._step(bucket)
+        assert out is not None
+        return out.codes[:num_seqs].clone(), out.next_input_embeds[:num_seqs].clone(), bucket.seen[:num_seqs].clone()
+
+    def _step(self, bucket: _Bucket) -> TalkerPagedStep:
+        size = bucket.inputs.shape[0]
+        return step_paged(self.talker, bucket.inputs, bucket.positions, bucket.ctx, bucket.rows, bucket.text_vec,
+                          bucket.seen, [self.sampling] * size, [None] * size)
+
+    def _capture(self, bucket: _Bucket) -> None:
+        # NOTE: the buffers start as padding (the scratch page), so warm-up and capture write only there.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # NOTE: lazy tables and allocator pools settle before capture
+                self._step(bucket)
+        torch.cuda.current_stream().wait_stream(stream)
+        bucket.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(bucket.graph):
+            bucket.out = self._step(bucket)
