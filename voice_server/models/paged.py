@@ -77,6 +77,18 @@ class PagedKVCache:
             )
         return out
 
+    def write(
+        self, layer_idx: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store a step's keys/values k, v [1, H_kv, num_rows, D] at `slot_mapping` [num_rows]; return
+        the layer's key and value pages [num_pages + 1, page_size, H_kv, D] to read from."""
+        if sliding_window is not None:
+            raise NotImplementedError("paged attention does not support sliding-window layers")
+        k_slots, v_slots = self.slots[layer_idx]
+        k_slots.index_copy_(0, slot_mapping, k[0].transpose(0, 1))
+        v_slots.index_copy_(0, slot_mapping, v[0].transpose(0, 1))
+        return self.pages[layer_idx]
+
     @staticmethod
     def bytes_per_page(
         num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
@@ -122,14 +134,9 @@ class AttentionContext:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None
     ) -> torch.Tensor:
         """q [1, H, num_rows, D], k/v [1, H_kv, num_rows, D] (rotated) -> attention output like q."""
-        if sliding_window is not None:
-            raise NotImplementedError("paged attention does not support sliding-window layers")
         cache = self.cache
-        k_pages, v_pages = cache.pages[layer_idx]
-        k_slots, v_slots = cache.slots[layer_idx]
+        k_pages, v_pages = cache.write(layer_idx, self.slot_mapping, k, v, sliding_window)
         ps, heads_kv, head_dim = cache.page_size, cache.num_kv_heads, cache.head_dim
-        k_slots.index_copy_(0, self.slot_mapping, k[0].transpose(0, 1))
-        v_slots.index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
         # NOTE: one gather of whole pages per layer for all sequences; each sequence then reads a
         # view of it, trimmed to its own kv_len.
         k_read = k_pages.index_select(0, self.page_index)

@@ -68,13 +68,8 @@ class StaticDecodeContext:
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None
     ) -> torch.Tensor:
         """q [1, H, num_rows, D], k/v [1, H_kv, num_rows, D] (rotated) -> attention output like q."""
-        if sliding_window is not None:
-            raise NotImplementedError("paged attention does not support sliding-window layers")
         cache = self.cache
-        k_pages, v_pages = cache.pages[layer_idx]
-        k_slots, v_slots = cache.slots[layer_idx]
-        k_slots.index_copy_(0, self.slot_mapping, k[0].transpose(0, 1))
-        v_slots.index_copy_(0, self.slot_mapping, v[0].transpose(0, 1))
+        k_pages, v_pages = cache.write(layer_idx, self.slot_mapping, k, v, sliding_window)
         shape = (self.num_rows, self.max_len, cache.num_kv_heads, cache.head_dim)
         keys = k_pages.index_select(0, self.page_table.flatten()).view(shape).transpose(1, 2)
         values = v_pages.index_select(0, self.page_table.flatten()).view(shape).transpose(1, 2)
