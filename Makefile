@@ -6,7 +6,7 @@ CONFIG ?= configs/default.yaml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install run test lint typecheck unit bench bench-llm clean
+.PHONY: install run test lint typecheck unit bench bench-pipeline bench-llm clean
 
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
@@ -38,6 +38,10 @@ test: lint typecheck unit
 bench: install
 	OMP_NUM_THREADS=1 $(PY) loadtest/bench_relay.py
 	OMP_NUM_THREADS=1 $(PY) loadtest/bench_models.py
+
+# NOTE: the whole streaming Qwen3-Omni pipeline (tiny config, stage processes) against transformers.
+bench-pipeline: install
+	OMP_NUM_THREADS=1 $(PY) loadtest/bench_pipeline.py
 
 # NOTE: llama.cpp (llama-cpp-python, a source build) is only for this side-by-side benchmark.
 bench-llm: install
