@@ -6,8 +6,8 @@ launch overhead dominates on a GPU. Here each bucket size B (1, 2, 4, 8, 16 by d
 input buffers, a `StaticDecodeContext` (page tables padded to `max_len` positions) and, on CUDA, a
 graph of `step_paged` captured once; a step of S <= B sequences copies its rows into the smallest
 bucket that fits and replays it. On the CPU the same buffers run eagerly (what the tests check
-against the dynamic path; no capture there). Only greedy talker sampling runs here: sampling inside
-a graph needs pre-drawn randomness, which is not built yet, so sampled requests stay eager.
+against the dynamic path; no capture there). Sampled talkers draw inside the graph with noise the
+runner pre-draws from each request's generator (`FrameNoise`), the same way its eager path does.
 
 NOTE: the MoE layers must not loop over experts with a host sync inside a graph: on CUDA the
 experts' sync-free gathered path is enabled up to the largest bucket (`Experts.max_gathered_pairs`).
@@ -25,7 +25,7 @@ from voice_server.models.paged_static import StaticDecodeContext
 from voice_server.models.qwen3_omni.moe import Experts
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
-from voice_server.models.qwen3_omni.talker.step import TalkerPagedStep, step_paged
+from voice_server.models.qwen3_omni.talker.step import FrameNoise, TalkerPagedStep, step_paged
 from voice_server.scheduling.contract import ARSeq
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16)
@@ -39,6 +39,7 @@ class _Bucket:
     rows: torch.Tensor  # [B]: every row completes a frame
     text_vec: torch.Tensor  # [B, H] zeros: the runner adds text vectors when it feeds a frame back
     seen: torch.Tensor  # [B, V] code-0 repetition history, updated in place by the step
+    noise: FrameNoise | None  # pre-drawn Exp(1) noise of sampled talkers (ones for padding rows)
     graph: torch.cuda.CUDAGraph | None = None
     out: TalkerPagedStep | None = None
 
@@ -48,8 +49,7 @@ class TalkerDecodeGraphs:
         self, talker: Talker, cache: PagedKVCache, sampling: TalkerSampling, max_len: int,
         buckets: Sequence[int] = DEFAULT_BUCKETS,
     ) -> None:
-        if not (sampling.code0.is_greedy and sampling.residual.is_greedy):
-            raise ValueError("decode graphs run greedy talker sampling only (no pre-drawn randomness yet)")
+        self.is_sampled = not (sampling.code0.is_greedy and sampling.residual.is_greedy)
         self.talker, self.cache, self.sampling = talker, cache, sampling
         self.max_pages = -(-max_len // cache.page_size)
         self.buckets = tuple(sorted(set(buckets)))
@@ -69,6 +69,10 @@ class TalkerDecodeGraphs:
                 rows=torch.arange(size, device=device),
                 text_vec=torch.zeros(size, cfg.hidden_size, dtype=dtype, device=device),
                 seen=torch.zeros(size, cfg.vocab_size, dtype=torch.bool, device=device),
+                noise=FrameNoise(
+                    torch.ones(size, cfg.vocab_size, device=device),
+                    torch.ones(size, cfg.num_code_groups - 1, cfg.code_predictor.vocab_size, device=device),
+                ) if self.is_sampled else None,
             )
             for size in self.buckets
         }
@@ -88,10 +92,10 @@ class TalkerDecodeGraphs:
             len(s.token_ids) == 1 and s.is_sampling and s.start_pos < self.max_len for s in seqs)
 
     def run(
-        self, seqs: Sequence[ARSeq], inputs: torch.Tensor, seen: torch.Tensor
+        self, seqs: Sequence[ARSeq], inputs: torch.Tensor, seen: torch.Tensor, noise: FrameNoise | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One row per sequence: inputs [S, H], seen [S, V] -> (codes [S, G], codebook-embedding sums
-        [S, H], updated seen [S, V])."""
+        """One row per sequence: inputs [S, H], seen [S, V] (and the rows' noise when sampled) ->
+        (codes [S, G], codebook-embedding sums [S, H], updated seen [S, V])."""
         num_seqs = len(seqs)
         self.num_steps += 1
         bucket = self._buckets[next(b for b in self.buckets if b >= num_seqs)]
@@ -100,6 +104,11 @@ class TalkerDecodeGraphs:
         bucket.positions[:num_seqs].copy_(torch.tensor([s.start_pos for s in seqs]))
         bucket.positions[num_seqs:].zero_()
         bucket.seen[:num_seqs].copy_(seen)
+        if bucket.noise is not None:
+            if noise is None:
+                raise ValueError("a sampled talker's decode graph needs the step's pre-drawn noise")
+            bucket.noise.code0[:num_seqs].copy_(noise.code0)
+            bucket.noise.residual[:num_seqs].copy_(noise.residual)
         if bucket.graph is not None:
             bucket.graph.replay()
             out = bucket.out
@@ -111,7 +120,7 @@ class TalkerDecodeGraphs:
     def _step(self, bucket: _Bucket) -> TalkerPagedStep:
         size = bucket.inputs.shape[0]
         return step_paged(self.talker, bucket.inputs, bucket.positions, bucket.ctx, bucket.rows, bucket.text_vec,
-                          bucket.seen, [self.sampling] * size, [None] * size)
+                          bucket.seen, [self.sampling] * size, [None] * size, noise=bucket.noise)
 
     def _capture(self, bucket: _Bucket) -> None:
         # NOTE: the buffers start as padding (the scratch page), so warm-up and capture write only there.

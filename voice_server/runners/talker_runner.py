@@ -25,7 +25,7 @@ from voice_server.models.paged import PagedKVCache, build_attention_context
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
-from voice_server.models.qwen3_omni.talker.step import step_paged
+from voice_server.models.qwen3_omni.talker.step import FrameNoise, step_paged
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.runners.talker_feed import TalkerFeed
@@ -52,7 +52,7 @@ class TalkerRunnerConfig:
     seed: int | None = None
     decode_graphs: str = "auto"
     """Decode-only steps on fixed-shape buffers (`talker_graphs.py`): `on`, `off`, or `auto` (on for
-    CUDA with greedy sampling, where they are captured as CUDA graphs; on the CPU they only run eagerly)."""
+    CUDA, where they are captured as CUDA graphs; on the CPU they only run eagerly)."""
     graph_max_len: int = 4096
     """Positions the decode graphs cover; longer sequences step eagerly."""
 
@@ -91,9 +91,8 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         self.feeds: dict[str, TalkerFeed] = {}
         self.sampler = Sampler(config.seed)
         """Per-request generators (only drawn from when `sampling` samples)."""
-        is_greedy = config.sampling.code0.is_greedy and config.sampling.residual.is_greedy
-        is_graphs = config.decode_graphs == "on" or (
-            config.decode_graphs == "auto" and self.device.type == "cuda" and is_greedy)
+        self.is_sampled = not (config.sampling.code0.is_greedy and config.sampling.residual.is_greedy)
+        is_graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
         self.graphs = TalkerDecodeGraphs(talker, self.cache, config.sampling, min(
             config.graph_max_len, self.plan.max_model_len)) if is_graphs else None
         log.info("talker KV cache: %d pages x %d positions", self.plan.num_pages, config.page_size)
@@ -157,8 +156,14 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         seen = torch.stack([f.code0_seen if f.code0_seen is not None
                             else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in frame_feeds]
                            ) if sampling else torch.zeros(0, vocab, dtype=torch.bool, device=self.device)
+        noise = None
+        if self.is_sampled and sampling:
+            # NOTE: both paths draw with noise pre-drawn from each request's generator, so a sampled
+            # request gets the same frames in a graph or eagerly (and in any batch).
+            generators = [self.sampler.generator(seqs[i].request_id, None, self.device) for i in sampling]
+            noise = FrameNoise.draw(self.talker, generators, self.device)
         if self.graphs is not None and self.graphs.can_run(seqs):
-            codes, codec_sums, seen = self.graphs.run(seqs, inputs, seen)
+            codes, codec_sums, seen = self.graphs.run(seqs, inputs, seen, noise)
         else:
             ctx, positions = build_attention_context(
                 self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], batch.num_tokens,
@@ -174,7 +179,7 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
                 text_vec=torch.zeros(len(sampling), self.talker.cfg.hidden_size, dtype=self.dtype,
                                      device=self.device),
                 code0_seen=seen, samplings=[self.config.sampling] * len(sampling),
-                generators=[self.sampler.generator(seqs[i].request_id, None, self.device) for i in sampling],
+                generators=[None] * len(sampling), noise=noise,
             )
             codes, codec_sums = step.codes, step.next_input_embeds
         code0s = codes[:, 0].tolist()

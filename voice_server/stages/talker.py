@@ -5,8 +5,8 @@ factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus `page_si
 `max_model_len` (32768 positions), `speaker` (`ethan`), `max_frames` (4096, per reply; a request
 may lower or raise it with `params.talker.max_frames`), `sampling` (`greedy`, the reference's
 `talker_do_sample=False`, default; or `sample`, its sampling defaults) and `sampler_seed` (null).
-`cuda_graphs` (`auto`: decode-only steps captured as CUDA graphs per batch-size bucket on CUDA with
-greedy sampling; `on` also runs their fixed-shape path eagerly on a CPU; `off`) and `graph_max_len`
+`cuda_graphs` (`auto`: decode-only steps captured as CUDA graphs per batch-size bucket on CUDA;
+`on` also runs their fixed-shape path eagerly on a CPU; `off`) and `graph_max_len`
 (4096 positions the graphs cover; longer sequences step eagerly). The stage's `prefix_cache` has no
 effect here: talker inputs are embeddings, so equal ids need not mean equal keys and values
 (`ARSpec.is_prefix_cacheable` is false).

@@ -23,7 +23,12 @@ from voice_server.models.layers import (
     rope_inv_freq,
 )
 from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
-from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_token_rows, select_tokens
+from voice_server.models.qwen3_omni.talker.sampling import (
+    SamplingParams,
+    select_token_rows,
+    select_tokens,
+    select_with_noise,
+)
 from voice_server.models.shapes import FLOATING, expect_shapes
 
 
@@ -118,6 +123,20 @@ class CodePredictor(nn.Module):
             dims={"H": self.cfg.hidden_size},
         )
         return self._fill(talker_hidden, code0_embed, lambda logits: select_token_rows(logits, params, generators))
+
+    def fill_with_noise(
+        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, params: SamplingParams, noise: torch.Tensor,
+    ) -> FrameFill:
+        """`fill` for S rows sharing `params`, drawing code k with pre-drawn Exp(1) noise[:, k - 1]
+        (noise [S, G-1, codebook]; `select_with_noise`): no generator call, so it can be captured."""
+        expect_shapes(
+            ("talker_hidden", talker_hidden, "[S, H]", FLOATING), ("code0_embed", code0_embed, "[S, H]", FLOATING),
+            ("noise", noise, "[S, K, C]", FLOATING),
+            dims={"H": self.cfg.hidden_size, "K": self.cfg.num_code_groups - 1, "C": self.cfg.vocab_size},
+        )
+        groups = iter(range(self.cfg.num_code_groups - 1))
+        return self._fill(talker_hidden, code0_embed,
+                          lambda logits: select_with_noise(logits, params, noise[:, next(groups)]))
 
     def _fill(
         self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, select: Callable[[torch.Tensor], torch.Tensor]

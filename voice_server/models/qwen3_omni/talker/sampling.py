@@ -62,13 +62,8 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalized, logits)
 
 
-def select_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """logits [B, V] (processed in fp32) -> ids [B]."""
-    scores = logits.float()
-    if params.is_greedy:
-        return scores.argmax(dim=-1)
+def filter_scores(scores: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 scores [B, V] -> temperature, top-k, then top-p applied (removed ids at -inf), HF's order."""
     if params.temperature != 1.0:
         scores = scores / params.temperature
     if 0 < params.top_k < scores.shape[-1]:
@@ -80,8 +75,29 @@ def select_tokens(
         drop = cum_probs <= (1 - params.top_p)
         drop[..., -1:] = False  # keep at least the most likely id
         scores = scores.masked_fill(drop.scatter(-1, sorted_idx, drop), float("-inf"))
-    probs = scores.softmax(dim=-1)
+    return scores
+
+
+def select_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """logits [B, V] (processed in fp32) -> ids [B]."""
+    scores = logits.float()
+    if params.is_greedy:
+        return scores.argmax(dim=-1)
+    probs = filter_scores(scores, params).softmax(dim=-1)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def select_with_noise(logits: torch.Tensor, params: SamplingParams, noise: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> ids [B], drawn with pre-drawn Exp(1) noise [B, V]: argmax(probs / noise) picks
+    id i with probability probs[i] (the exponential race), with no generator call and no host sync,
+    so it can run inside a CUDA graph; the caller draws the noise from each request's generator."""
+    scores = logits.float()
+    if params.is_greedy:
+        return scores.argmax(dim=-1)
+    probs = filter_scores(scores, params).softmax(dim=-1)
+    return (probs / noise).argmax(dim=-1)
 
 
 def select_token_rows(
