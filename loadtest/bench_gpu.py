@@ -71,15 +71,27 @@ def talker_step_times(talker: Talker, batch: int, num_steps: int, device: torch.
     return times
 
 
-@torch.no_grad()
-def graph_step_times(talker: Talker, batch: int, num_steps: int, device: torch.device) -> list[float]:
-    """Seconds per decode step of the runner's fixed-shape path (`TalkerDecodeGraphs`), `batch` rows."""
+GRAPH_PAGE_SIZE = 16
+
+
+def make_graphs(talker: Talker, batch: int, num_steps: int, device: torch.device,
+                is_compiled: bool = False) -> TalkerDecodeGraphs:
+    """The runner's decode path for one bucket of `batch` rows over a paged cache (captured on CUDA;
+    `is_compiled`: torch.compile on a CPU, compiled here, ~20 s on the tiny config)."""
     cfg, dtype = talker.cfg, next(talker.parameters()).dtype
-    page_size, max_len = 16, PREFILL_LEN + num_steps + 8
-    pages_per_seq = -(-max_len // page_size)
-    cache = PagedKVCache(len(talker.model.layers), batch * pages_per_seq, page_size, cfg.num_key_value_heads,
+    max_len = PREFILL_LEN + num_steps + 8
+    pages_per_seq = -(-max_len // GRAPH_PAGE_SIZE)
+    cache = PagedKVCache(len(talker.model.layers), batch * pages_per_seq, GRAPH_PAGE_SIZE, cfg.num_key_value_heads,
                          cfg.head_dim, dtype, device)
-    graphs = TalkerDecodeGraphs(talker, cache, TalkerSampling(), max_len, buckets=(batch,))
+    return TalkerDecodeGraphs(talker, cache, TalkerSampling(), max_len, buckets=(batch,), is_compiled=is_compiled)
+
+
+@torch.no_grad()
+def graph_step_times(graphs: TalkerDecodeGraphs, batch: int, num_steps: int) -> list[float]:
+    """Seconds per decode step of `graphs` (from `make_graphs` with at least `num_steps`), `batch` rows."""
+    talker, device = graphs.talker, graphs.cache.kv.device
+    cfg, dtype = talker.cfg, graphs.cache.kv.dtype
+    pages_per_seq = graphs.cache.num_pages // batch
     g = torch.Generator(device=device).manual_seed(batch)
     inputs = torch.randn(batch, cfg.hidden_size, generator=g, device=device, dtype=dtype)
     seen = torch.zeros(batch, cfg.vocab_size, dtype=torch.bool, device=device)
@@ -106,7 +118,7 @@ def run_talker(args: argparse.Namespace) -> None:
           f"CUDA graphs: {args.cuda_graphs}")
     for batch in args.batches:
         if args.cuda_graphs == "on":
-            times = graph_step_times(talker, batch, args.steps, device)
+            times = graph_step_times(make_graphs(talker, batch, args.steps, device), batch, args.steps)
         else:
             times = talker_step_times(talker, batch, args.steps, device)
         median = statistics.median(times)

@@ -70,14 +70,17 @@ def drain(sched: ARScheduler, runner: TalkerRunner) -> list[Emit]:
     return emits
 
 
-@pytest.mark.parametrize("decode_graphs", ["off", "on"])
+@pytest.mark.parametrize("decode_graphs", ["off", "on", "compiled"])
 def test_frames_follow_the_thinker_stream_and_equal_the_reference(decode_graphs: str) -> None:
     # NOTE: "on" runs decode-only steps on the fixed-shape buffers the CUDA graphs replay (eagerly on
     # the CPU): padded page tables, one masked attention per layer, bucketed batch sizes; positions
     # past `graph_max_len` (32 here) step on the exact path, so a turn mixes both.
     thinker, talker = models()
+    # "compiled": the same buffers stepped by torch.compile (one bucket, to bound the compile time).
+    is_compiled = decode_graphs == "compiled"
     config = TalkerRunnerConfig(budget_bytes=256 << 20, thinker_hidden_size=32, page_size=4,
-                                decode_graphs=decode_graphs, graph_max_len=32)
+                                decode_graphs="on" if is_compiled else decode_graphs, graph_max_len=32,
+                                graph_buckets=(2,) if is_compiled else (1, 2, 4), compile=is_compiled)
     runner = TalkerRunner(talker, turn_token_ids(CFG), config)
     sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=64, prefix_cache=False)
     cases = {"a": (tiny_prompt_ids(num_user_text=5), 7, 30), "b": (tiny_prompt_ids(num_user_text=11), 9, 30)}
@@ -112,8 +115,9 @@ def test_frames_follow_the_thinker_stream_and_equal_the_reference(decode_graphs:
         assert torch.equal(torch.cat(frames[rid], dim=1), expected[rid]), rid
     assert {e.request_id for e in finals if e.kind is EmitKind.RESULT} == set(cases)
     assert sched.stats()["num_used_pages"] == 0 and sched.stats()["num_cached_pages"] == 0
-    if decode_graphs == "on":
+    if decode_graphs != "off":
         assert runner.graphs is not None and runner.graphs.num_steps >= 5
+        assert runner.graphs.is_compiled == is_compiled
 
 
 def run_sampled(decode_graphs: str) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from voice_server.models.qwen3_omni.talker.step import FrameNoise, step_paged
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.runners.talker_feed import TalkerFeed
-from voice_server.runners.talker_graphs import TalkerDecodeGraphs
+from voice_server.runners.talker_graphs import DEFAULT_BUCKETS, TalkerDecodeGraphs
 from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SeqOutput
 
@@ -55,6 +55,11 @@ class TalkerRunnerConfig:
     CUDA, where they are captured as CUDA graphs; on the CPU they only run eagerly)."""
     graph_max_len: int = 4096
     """Positions the decode graphs cover; longer sequences step eagerly."""
+    graph_buckets: tuple[int, ...] = DEFAULT_BUCKETS
+    """Batch sizes with their own decode graph (a step of S sequences runs in the smallest >= S)."""
+    compile: bool = False
+    """CPU: compile each bucket's decode step with torch.compile at start-up (~20 s per bucket on
+    the tiny config); on CUDA the graphs are captured instead."""
 
     def __post_init__(self) -> None:
         for name in ("budget_bytes", "thinker_hidden_size", "page_size", "max_step_tokens", "max_num_seqs",
@@ -62,6 +67,9 @@ class TalkerRunnerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TalkerRunnerConfig.{name} must be an integer >= 1, got {value!r}")
+        if not self.graph_buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                         for b in self.graph_buckets):
+            raise ValueError(f"TalkerRunnerConfig.graph_buckets must be integers >= 1, got {self.graph_buckets!r}")
         if self.decode_graphs not in ("auto", "on", "off"):
             raise ValueError(f"TalkerRunnerConfig.decode_graphs must be auto, on or off, got {self.decode_graphs!r}")
 
@@ -93,8 +101,9 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         """Per-request generators (only drawn from when `sampling` samples)."""
         self.is_sampled = not (config.sampling.code0.is_greedy and config.sampling.residual.is_greedy)
         is_graphs = config.decode_graphs == "on" or (config.decode_graphs == "auto" and self.device.type == "cuda")
-        self.graphs = TalkerDecodeGraphs(talker, self.cache, config.sampling, min(
-            config.graph_max_len, self.plan.max_model_len)) if is_graphs else None
+        self.graphs = TalkerDecodeGraphs(
+            talker, self.cache, config.sampling, min(config.graph_max_len, self.plan.max_model_len),
+            config.graph_buckets, is_compiled=config.compile) if is_graphs else None
         log.info("talker KV cache: %d pages x %d positions", self.plan.num_pages, config.page_size)
 
     # -- admission: the thinker's token stream -> prompt positions and output limits -------------------

@@ -7,7 +7,9 @@ may lower or raise it with `params.talker.max_frames`), `sampling` (`greedy`, th
 `talker_do_sample=False`, default; or `sample`, its sampling defaults) and `sampler_seed` (null).
 `cuda_graphs` (`auto`: decode-only steps captured as CUDA graphs per batch-size bucket on CUDA;
 `on` also runs their fixed-shape path eagerly on a CPU; `off`) and `graph_max_len`
-(4096 positions the graphs cover; longer sequences step eagerly). The stage's `prefix_cache` has no
+(4096 positions the graphs cover; longer sequences step eagerly), `graph_buckets` ([1, 2, 4, 8, 16]),
+`compile` (false; on a CPU with `cuda_graphs: on`, torch.compile each bucket's step at start-up, the
+CPU's stand-in for graph capture). The stage's `prefix_cache` has no
 effect here: talker inputs are embeddings, so equal ids need not mean equal keys and values
 (`ARSpec.is_prefix_cacheable` is false).
 """
@@ -21,11 +23,12 @@ from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.turn import turn_token_ids
+from voice_server.runners.talker_graphs import DEFAULT_BUCKETS
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
 from voice_server.stages.omni_parts import read_omni_args
 
 OWN_ARGS = ("page_size", "max_model_len", "speaker", "max_frames", "sampling", "sampler_seed", "cuda_graphs",
-            "graph_max_len")
+            "graph_max_len", "graph_buckets", "compile")
 SAMPLING = {"greedy": TalkerSampling, "sample": TalkerSampling.hf_sampling}
 
 
@@ -38,6 +41,14 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
     cuda_graphs = args.extra.get("cuda_graphs", "auto")
     if cuda_graphs not in ("auto", "on", "off"):
         raise fail(args.where, "factory_args.cuda_graphs", f"must be auto, on or off, got {show(cuda_graphs)}")
+    is_compiled = args.extra.get("compile", False)
+    if not isinstance(is_compiled, bool):
+        raise fail(args.where, "factory_args.compile", f"must be true or false, got {show(is_compiled)}")
+    buckets = args.extra.get("graph_buckets", list(DEFAULT_BUCKETS))
+    if not isinstance(buckets, list) or not buckets or any(
+            isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1024 for b in buckets):
+        raise fail(args.where, "factory_args.graph_buckets", f"must be a list of batch sizes in [1, 1024], "
+                   f"got {show(buckets)}")
     speaker = args.extra.get("speaker", "ethan")
     names = [name for name, _ in args.cfg.talker.speaker_ids]
     if not isinstance(speaker, str) or speaker.lower() not in names:
@@ -61,6 +72,8 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
             sampling=SAMPLING[sampling_name](),
             seed=args.int_arg("sampler_seed", None, minimum=0),
             decode_graphs=cuda_graphs,
+            graph_buckets=tuple(buckets),
+            compile=is_compiled,
             graph_max_len=args.int_arg("graph_max_len", 4096, minimum=1) or 4096,
         )
         return TalkerRunner(model, turn_token_ids(args.cfg), config)

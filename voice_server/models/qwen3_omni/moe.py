@@ -41,6 +41,8 @@ class Experts(nn.Module):
         # transient copy stays within one layer's routed experts; that covers decode steps of up to
         # num_experts / top_k sequences (16 for the released thinker). Not yet measured on a GPU.
         self.max_gathered_pairs = num_experts
+        self.is_gathered_on_cpu = False
+        """Take the gathered path on the CPU too (a compiled step: the loop's host sync breaks the graph)."""
 
     def forward(self, x: torch.Tensor, top_idx: torch.Tensor, top_w: torch.Tensor) -> torch.Tensor:
         """x [T, H], top_idx / top_w [T, k] -> sum over k of top_w * expert(x) [T, H].
@@ -49,7 +51,7 @@ class Experts(nn.Module):
         costs nothing and the gathered path is 13-28x slower (weight copies and batched GEMV; see
         docs/BENCHMARKS.md, "MoE experts"), so the CPU always loops.
         """
-        if x.device.type != "cpu" and top_idx.numel() <= self.max_gathered_pairs:
+        if (x.device.type != "cpu" or self.is_gathered_on_cpu) and top_idx.numel() <= self.max_gathered_pairs:
             return self.forward_gathered(x, top_idx, top_w)
         return self.forward_looped(x, top_idx, top_w)
 
