@@ -1,0 +1,12 @@
+"""The session layer: WebSocket endpoints, turn detection and conversation state (numpy only, no torch).
+
+- ``turn_config``: ``TurnDetectionConfig``, the validated OpenAI ``server_vad`` settings of a session;
+- ``vad``: ``TurnDetector``, streaming speech start/stop detection on a session's input audio (webrtcvad).
+"""
+
+from __future__ import annotations
+
+from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.vad import SpeechStarted, SpeechStopped, TurnDetector, TurnEvent
+
+__all__ = ["SpeechStarted", "SpeechStopped", "TurnDetectionConfig", "TurnDetector", "TurnEvent"]
