@@ -1,0 +1,1 @@
+"""Per-connection voice sessions: protocol layers, turn detection and conversation state."""
