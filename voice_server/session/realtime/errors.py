@@ -14,7 +14,7 @@ Error codes (OpenAI's own codes where its public errors show one, ours otherwise
 =============================  ======  ==============================================================
 code                           origin  when
 =============================  ======  ==============================================================
-``invalid_json``               ours    a text frame that is not JSON (or not UTF-8)
+``invalid_json``               ours    a text frame that is not JSON
 ``invalid_event``              ours    JSON that is not an object
 ``binary_frame``               ours    a binary WebSocket frame: this protocol is JSON text only
 ``event_too_large``            ours    a frame over ``MAX_EVENT_CHARS``

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from voice_server.audio import b64decode
@@ -162,7 +163,8 @@ def _parse_event(obj: Mapping[str, Any], event_id: str | None) -> ClientEvent | 
 
 
 def _session_update(obj: Mapping[str, Any], event_id: str | None) -> ClientEvent:
-    return SessionUpdate(normalize_session_patch(require(obj, "session", ""), "session"), event_id)
+    # NOTE: read-only at the top so a handler cannot edit the patch it is about to apply.
+    return SessionUpdate(MappingProxyType(normalize_session_patch(require(obj, "session", ""), "session")), event_id)
 
 
 def _append(obj: Mapping[str, Any], event_id: str | None) -> ClientEvent | ProtocolError:
