@@ -1,0 +1,180 @@
+"""Payloads of the richer client events: the message of ``conversation.item.create`` and the overrides of
+``response.create``, with their parsers (which raise FieldError naming the ``param``).
+
+Decisions: only text messages are taken (user/system ``input_text``, assistant ``output_text`` or beta
+``text``); ``input_audio``/``input_image`` parts and non-message items (function calls, MCP) are
+``unsupported``. ``response.create`` accepts ``instructions``, ``output_modalities`` (beta
+``modalities``), the voice and output format (GA ``audio.output.*``, beta ``voice`` /
+``output_audio_format``), ``max_output_tokens`` (beta ``max_response_output_tokens``), ``temperature``,
+``metadata`` and ``conversation`` (``auto`` or ``none``); a custom ``input`` context is ``unsupported``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from voice_server.session.realtime.errors import (
+    UNSUPPORTED,
+    FieldError,
+    as_choice,
+    as_float,
+    as_object,
+    as_str,
+    check_keys,
+    invalid_type,
+    invalid_value,
+    join,
+    require,
+)
+from voice_server.session.realtime.session_fields import (
+    AudioFormat,
+    check_unserved,
+    parse_audio_format,
+    parse_beta_format,
+    parse_max_output_tokens,
+    parse_modalities,
+    parse_voice,
+)
+
+Role = Literal["user", "system", "assistant"]
+MAX_ID_CHARS = 64
+MAX_METADATA_KEYS = 16
+
+
+@dataclass(frozen=True)
+class MessageItem:
+    """A text message for the conversation: one string per content part, in order."""
+
+    role: Role
+    texts: tuple[str, ...]
+    item_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ("user", "system", "assistant"):
+            raise ValueError(f"role must be user, system or assistant, got {self.role!r}")
+        if not self.texts:
+            raise ValueError("a message needs at least one content part")
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+@dataclass(frozen=True)
+class ResponseOverrides:
+    """``response.create``'s ``response``: every field None means "the session's"."""
+
+    instructions: str | None = None
+    output_modalities: tuple[str, ...] | None = None
+    voice: str | None = None
+    output_format: AudioFormat | None = None
+    max_output_tokens: int | Literal["inf"] | None = None
+    temperature: float | None = None
+    metadata: Mapping[str, str] | None = None
+    is_out_of_band: bool = False  # conversation: "none": the response is not added to the conversation
+
+
+_TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": ("output_text", "text")}
+_UNSERVED_PARTS = frozenset({"input_audio", "input_image", "output_audio", "audio"})
+
+
+def parse_message_item(raw: object, path: str) -> MessageItem:
+    item = as_object(raw, path)
+    kind = as_str(require(item, "type", path), join(path, "type"))
+    if kind != "message":
+        raise FieldError(UNSUPPORTED, f"Items of type '{kind}' are not supported; only 'message' is.",
+                         join(path, "type"))
+    check_keys(item, path, {"type", "role", "content", "id", "object", "status"})
+    role = as_choice(require(item, "role", path), join(path, "role"), ("user", "system", "assistant"))
+    content = require(item, "content", path)
+    if not isinstance(content, list):
+        raise invalid_type(join(path, "content"), "an array", content)
+    if not content:
+        raise invalid_value(join(path, "content"), "a message needs at least one content part.")
+    texts = []
+    for index, part_raw in enumerate(content):
+        part_path = f"{path}.content[{index}]"
+        part = as_object(part_raw, part_path)
+        part_type = as_str(require(part, "type", part_path), join(part_path, "type"))
+        if part_type in _UNSERVED_PARTS:
+            raise FieldError(UNSUPPORTED, f"Content parts of type '{part_type}' are not supported in "
+                                          f"conversation.item.create; send text.", join(part_path, "type"))
+        as_choice(part_type, join(part_path, "type"), _TEXT_PARTS[role])
+        check_keys(part, part_path, {"type", "text"})
+        texts.append(as_str(require(part, "text", part_path), join(part_path, "text")))
+    item_id = item.get("id")
+    return MessageItem(cast(Role, role), tuple(texts), None if item_id is None else parse_id(item_id, join(path, "id")))
+
+
+def parse_response_overrides(raw: object, path: str) -> ResponseOverrides:
+    spec = as_object(raw, path)
+    check_keys(spec, path, {"instructions", "output_modalities", "modalities", "audio", "voice",
+                            "output_audio_format", "max_output_tokens", "max_response_output_tokens",
+                            "temperature", "metadata", "conversation", "input", "tools", "tool_choice",
+                            "prompt", "reasoning", "parallel_tool_calls"})
+    check_unserved(spec, path)
+    if spec.get("input") is not None:
+        raise FieldError(UNSUPPORTED, "A custom 'input' context is not supported; the response uses the "
+                                      "conversation.", join(path, "input"))
+    conversation = as_str(spec.get("conversation", "auto"), join(path, "conversation"))
+    if conversation not in ("auto", "none"):
+        raise FieldError(UNSUPPORTED, "Only the 'auto' and 'none' conversations exist on this server.",
+                         join(path, "conversation"))
+    audio_out = _audio_output(spec.get("audio"), join(path, "audio"))
+    voice_raw = audio_out.get("voice", spec.get("voice"))
+    voice_path = join(path, "audio.output.voice" if "voice" in audio_out else "voice")
+    output_format = None
+    if "format" in audio_out:
+        output_format = parse_audio_format(audio_out["format"], join(path, "audio.output.format"))
+    elif spec.get("output_audio_format") is not None:
+        output_format = parse_beta_format(spec["output_audio_format"], join(path, "output_audio_format"))
+    modalities_key = "output_modalities" if "output_modalities" in spec else "modalities"
+    tokens_key = "max_output_tokens" if "max_output_tokens" in spec else "max_response_output_tokens"
+    tokens = spec.get(tokens_key)
+    max_tokens = None if tokens is None else parse_max_output_tokens(tokens, join(path, tokens_key))
+    return ResponseOverrides(
+        instructions=None if spec.get("instructions") is None else as_str(spec["instructions"],
+                                                                           join(path, "instructions")),
+        output_modalities=None if spec.get(modalities_key) is None else parse_modalities(
+            spec[modalities_key], join(path, modalities_key)),
+        voice=None if voice_raw is None else parse_voice(voice_raw, voice_path),
+        output_format=output_format,
+        max_output_tokens="inf" if tokens == "inf" else max_tokens,
+        temperature=None if spec.get("temperature") is None else as_float(
+            spec["temperature"], join(path, "temperature"), minimum=0.0, maximum=2.0),
+        metadata=None if spec.get("metadata") is None else _parse_metadata(spec["metadata"], join(path, "metadata")),
+        is_out_of_band=conversation == "none",
+    )
+
+
+def _audio_output(raw: object, path: str) -> Mapping[str, Any]:
+    if raw is None:
+        return {}
+    audio = as_object(raw, path)
+    check_keys(audio, path, {"output"})
+    if audio.get("output") is None:
+        return {}
+    output = as_object(audio["output"], join(path, "output"))
+    check_keys(output, join(path, "output"), {"format", "voice"})
+    return output
+
+
+def _parse_metadata(raw: object, path: str) -> Mapping[str, str]:
+    metadata = as_object(raw, path)
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise invalid_value(path, f"at most {MAX_METADATA_KEYS} keys, got {len(metadata)}.")
+    for key, value in metadata.items():
+        if len(key) > 64:
+            raise invalid_value(join(path, key), "metadata keys are at most 64 characters.")
+        if len(as_str(value, join(path, key))) > 512:
+            raise invalid_value(join(path, key), "metadata values are at most 512 characters.")
+    return dict(metadata)
+
+
+def parse_id(value: object, param: str) -> str:
+    text = as_str(value, param, is_nonempty=True)
+    if len(text) > MAX_ID_CHARS:
+        raise invalid_value(param, f"ids are at most {MAX_ID_CHARS} characters, got {len(text)}.")
+    return text
