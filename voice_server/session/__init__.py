@@ -1,0 +1,1 @@
+"""The session layer: WebSocket protocols between callers (browsers, telephony) and the engine."""
