@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -134,3 +137,9 @@ def test_is_authorized_refuses_wrong_tokens_and_survives_odd_text() -> None:
     assert is_authorized(_start({"token": "h\u00e9"}), "h\u00e9")
     with pytest.raises(ValueError, match="expected_token"):
         is_authorized(_start({"token": "x"}), "")
+
+
+def test_the_package_does_not_import_torch() -> None:
+    """The process serving sessions must stay free of torch (start-up time and memory per worker)."""
+    code = "import sys, voice_server.session.twilio; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[2])

@@ -1,6 +1,7 @@
 """Twilio Media Streams protocol layer (no server wiring): inbound parsing, outbound frames, playback.
 
-- ``messages``: typed inbound messages and ``parse_twilio_message`` (the error-handling table);
+- ``inbound``: the typed inbound messages (frozen, validated on construction);
+- ``messages``: ``parse_twilio_message``, client frames -> those messages (the error-handling table);
 - ``stream``: ``TwilioStreamGuard``, the per-socket order and identity checks on top of the parser;
 - ``outbound``: ``media``/``mark``/``clear`` frames and ``TwilioAudioEncoder`` (PCM -> 20 ms mu-law);
 - ``auth``: the bearer token carried in ``start.customParameters``;

@@ -17,7 +17,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler, b64encode, ulaw_encode
-from voice_server.session.twilio.messages import TWILIO_SAMPLE_RATE
+from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
 
 __all__ = [
     "FRAME_MS",

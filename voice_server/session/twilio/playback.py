@@ -155,13 +155,17 @@ class PlaybackTracker:
 
     def on_clear(self) -> float:
         """The session sent ``clear``: write off unconfirmed audio and pending marks; returns ``audio_end_ms``."""
+        audio_end_ms = self.audio_end_ms
         for name, (position, _) in self._pending.items():
             self._pending[name] = (position, True)
         self._num_dropped += self._num_kept - self._num_played
         self._num_marked = self._num_kept  # == played: the new audio starts on a clean slate
         if self._response_start is not None:
-            self._response_end = max(self._response_start, self._num_kept)
-        return self.audio_end_ms
+            # NOTE: a response whose audio was all dropped may start past the rewound timeline: pull it
+            # back so its span stays inside what was kept, and freeze it at what was heard.
+            self._response_start = min(self._response_start, self._num_kept)
+            self._response_end = self._response_start + round(audio_end_ms * SAMPLES_PER_MS)
+        return audio_end_ms
 
     def _new_mark(self) -> str:
         self._num_marks_sent += 1
