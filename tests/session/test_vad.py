@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import webrtcvad
+from speech_signals import signal_of
 
 from voice_server.audio import float32_to_pcm16
 from voice_server.session import SpeechStarted, TurnDetectionConfig, TurnDetector, TurnEvent
@@ -25,40 +26,6 @@ from voice_server.session.vad import FRAME_MS, HANGOVER_FRAMES, INPUT_RATES, MAX
 
 FRAME_TOLERANCE_MS = FRAME_MS
 DEFAULT = TurnDetectionConfig()
-
-
-def _voice(rate: int, num_ms: int, seed: int) -> np.ndarray:
-    num_samples = rate * num_ms // 1000
-    t = np.arange(num_samples) / rate
-    phase = np.cumsum(140.0 * (1 + 0.05 * np.sin(2 * np.pi * 3 * t)) / rate)
-    source = np.zeros(num_samples)
-    source[1:][np.diff(np.floor(phase)) > 0] = 1.0  # one pulse per glottal period
-    pulse = np.exp(-np.arange(int(0.003 * rate)) / (0.0008 * rate))  # NOTE: a smooth glottal flow, not a click
-    source = np.convolve(source, pulse)[:num_samples]
-    source += 0.02 * np.random.default_rng(seed).standard_normal(num_samples)  # aspiration
-    response = np.ones(1)
-    for formant_hz, bandwidth_hz in ((700, 110), (1220, 120), (2600, 160)):
-        radius = np.exp(-np.pi * bandwidth_hz / rate)
-        omega = 2 * np.pi * formant_hz / rate
-        k = np.arange(int(0.03 * rate))
-        response = np.convolve(response, radius**k * np.sin(omega * (k + 1)) / np.sin(omega))
-    voiced = np.convolve(source, response)[:num_samples]
-    return 0.3 * voiced / np.abs(voiced).max()
-
-
-def _signal(rate: int, *segments: tuple[str, int]) -> np.ndarray:
-    """float32 audio from ("voice" | "noise", ms) segments, over a -60 dBFS noise floor throughout.
-
-    NOTE: the floor runs under the voice too, as a microphone's does: webrtcvad adapts its noise model
-    only on frames it calls non-speech, so noise that first appears after clean speech (a noiseless TTS
-    clip, digital silence) can be called speech for seconds. That is not what these tests are about.
-    """
-    parts = [
-        _voice(rate, num_ms, seed) if kind == "voice" else np.zeros(rate * num_ms // 1000)
-        for seed, (kind, num_ms) in enumerate(segments)
-    ]
-    signal = np.concatenate(parts)
-    return (signal + 0.001 * np.random.default_rng(len(segments)).standard_normal(len(signal))).astype(np.float32)
 
 
 def _run(detector: TurnDetector, signal: np.ndarray, chunk_sizes: list[int] | None = None) -> list[TurnEvent]:
@@ -88,7 +55,7 @@ def _assert_times(events: list[TurnEvent], expected: list[tuple[str, int]], tole
 
 def test_synthetic_voice_is_speech_and_noise_is_not() -> None:
     vad = webrtcvad.Vad(2)
-    pcm = float32_to_pcm16(_signal(16000, ("noise", 1000), ("voice", 400), ("noise", 1000)))
+    pcm = float32_to_pcm16(signal_of(16000, ("noise", 1000), ("voice", 400), ("noise", 1000)))
     flags = [vad.is_speech(pcm[i : i + 320].tobytes(), 16000) for i in range(0, len(pcm), 320)]
     assert not any(flags[10:50]) and all(flags[50:70]) and not any(flags[80:])
 
@@ -99,7 +66,7 @@ def test_hangover_table_matches_webrtcvad(mode: int) -> None:
     short, long = HANGOVER_FRAMES[mode]
     for num_speech_frames, expected in ((2, short), (MAX_BLIP_FRAMES, short), (MAX_BLIP_FRAMES + 1, long), (30, long)):
         vad = webrtcvad.Vad(mode)
-        pcm = float32_to_pcm16(_signal(16000, ("noise", 1000), ("voice", 20 * num_speech_frames), ("noise", 1000)))
+        pcm = float32_to_pcm16(signal_of(16000, ("noise", 1000), ("voice", 20 * num_speech_frames), ("noise", 1000)))
         flags = [vad.is_speech(pcm[i : i + 320].tobytes(), 16000) for i in range(0, len(pcm), 320)][50:]
         assert sum(flags) == num_speech_frames + expected and all(flags[: sum(flags)]), num_speech_frames
 
@@ -118,7 +85,7 @@ def test_threshold_mapping_and_default_rules() -> None:
 
 
 def test_speech_then_silence_gives_one_turn_at_the_right_times() -> None:
-    signal = _signal(16000, ("noise", 600), ("voice", 800), ("noise", 1000))
+    signal = signal_of(16000, ("noise", 600), ("voice", 800), ("noise", 1000))
     detector = TurnDetector(DEFAULT, 16000)
     emitted_at: list[tuple[TurnEvent, int]] = []
     for start in range(0, len(signal), 320):  # 20 ms chunks: when each event comes out
@@ -134,7 +101,7 @@ def test_speech_then_silence_gives_one_turn_at_the_right_times() -> None:
 
 def test_resampled_input_is_late_only_by_the_filter_delay() -> None:
     """24 kHz: the times are those of 16 kHz; the events come out at most delay_in (60) input samples later."""
-    signal = _signal(24000, ("noise", 600), ("voice", 800), ("noise", 1000))
+    signal = signal_of(24000, ("noise", 600), ("voice", 800), ("noise", 1000))
     detector = TurnDetector(DEFAULT, 24000)
     emitted_at = [(event, end) for end in range(1, len(signal) + 1) for event in detector.feed(signal[end - 1 : end])]
     _assert_times([event for event, _ in emitted_at], [("start", 300), ("stop", 1900)], FRAME_TOLERANCE_MS)
@@ -145,7 +112,7 @@ def test_resampled_input_is_late_only_by_the_filter_delay() -> None:
 
 
 def test_a_gap_shorter_than_the_silence_window_does_not_end_the_turn() -> None:
-    signal = _signal(16000, ("noise", 600), ("voice", 600), ("noise", 400), ("voice", 600), ("noise", 1000))
+    signal = signal_of(16000, ("noise", 600), ("voice", 600), ("noise", 400), ("voice", 600), ("noise", 1000))
     events = _run(TurnDetector(DEFAULT, 16000), signal)
     _assert_times(events, [("start", 300), ("stop", 2200 + 500)], FRAME_TOLERANCE_MS)
     # The same gap ends the turn once the window is shorter than it.
@@ -156,38 +123,38 @@ def test_a_gap_shorter_than_the_silence_window_does_not_end_the_turn() -> None:
 
 def test_a_click_does_not_start_a_turn_but_min_speech_does() -> None:
     for num_click_ms in (20, 40, 60):
-        signal = _signal(16000, ("noise", 600), ("voice", num_click_ms), ("noise", 1000))
+        signal = signal_of(16000, ("noise", 600), ("voice", num_click_ms), ("noise", 1000))
         assert _run(TurnDetector(DEFAULT, 16000), signal) == [], num_click_ms
-    signal = _signal(16000, ("noise", 600), ("voice", DEFAULT.min_speech_ms), ("noise", 1000))
+    signal = signal_of(16000, ("noise", 600), ("voice", DEFAULT.min_speech_ms), ("noise", 1000))
     _assert_times(_run(TurnDetector(DEFAULT, 16000), signal), [("start", 300), ("stop", 1220)], FRAME_TOLERANCE_MS)
     # A longer minimum counts webrtcvad's longer hangover: 180 ms of speech is refused, 200 ms is a turn.
     config = TurnDetectionConfig(min_speech_ms=200)
     for num_speech_ms, num_events in ((180, 0), (200, 2)):
-        signal = _signal(16000, ("noise", 600), ("voice", num_speech_ms), ("noise", 1000))
+        signal = signal_of(16000, ("noise", 600), ("voice", num_speech_ms), ("noise", 1000))
         assert len(_run(TurnDetector(config, 16000), signal)) == num_events, num_speech_ms
     # Without a minimum, the 40 ms click does start a turn: the rule above is what rejected it. (So does
     # webrtcvad's first ~100 ms, before its noise model settles: another reason for the default.)
     config = TurnDetectionConfig(min_speech_ms=0, prefix_padding_ms=0)
-    signal = _signal(16000, ("noise", 600), ("voice", 40), ("noise", 1000))
+    signal = signal_of(16000, ("noise", 600), ("voice", 40), ("noise", 1000))
     assert _times(_run(TurnDetector(config, 16000), signal))[-2:] == [("start", 600), ("stop", 1100)]
 
 
 @pytest.mark.parametrize(("prefix_padding_ms", "expected_start_ms"), [(0, 600), (300, 300), (580, 20), (1000, 0)])
 def test_prefix_padding_moves_the_start_earlier(prefix_padding_ms: int, expected_start_ms: int) -> None:
-    signal = _signal(16000, ("noise", 600), ("voice", 400), ("noise", 800))
+    signal = signal_of(16000, ("noise", 600), ("voice", 400), ("noise", 800))
     events = _run(TurnDetector(TurnDetectionConfig(prefix_padding_ms=prefix_padding_ms), 16000), signal)
     assert _times(events)[0] == ("start", expected_start_ms)
 
 
 def test_prefix_padding_stops_at_the_previous_turn() -> None:
-    signal = _signal(16000, ("noise", 600), ("voice", 400), ("noise", 700), ("voice", 400), ("noise", 800))
+    signal = signal_of(16000, ("noise", 600), ("voice", 400), ("noise", 700), ("voice", 400), ("noise", 800))
     events = _run(TurnDetector(TurnDetectionConfig(prefix_padding_ms=1000), 16000), signal)
     assert _times(events) == [("start", 0), ("stop", 1500), ("start", 1500), ("stop", 2600)]
 
 
 @pytest.mark.parametrize("rate", [16000, 24000])  # classified as is / through the resampler
 def test_any_chunking_gives_the_same_events(rate: int) -> None:
-    signal = _signal(rate, ("noise", 500), ("voice", 300), ("noise", 200), ("voice", 200), ("noise", 560))
+    signal = signal_of(rate, ("noise", 500), ("voice", 300), ("noise", 200), ("voice", 200), ("noise", 560))
     whole = _run(TurnDetector(DEFAULT, rate), signal)
     assert len(whole) == 2
     rng = np.random.default_rng(rate)
@@ -206,14 +173,14 @@ def test_all_input_rates_and_dtypes_give_the_same_times() -> None:
     segments = (("noise", 600), ("voice", 500), ("noise", 300), ("voice", 300), ("noise", 900))
     expected = [("start", 300), ("stop", 1700 + 500)]
     for rate in INPUT_RATES:
-        signal = _signal(rate, *segments)
+        signal = signal_of(rate, *segments)
         _assert_times(_run(TurnDetector(DEFAULT, rate), signal), expected, FRAME_TOLERANCE_MS)
         as_int16 = _run(TurnDetector(DEFAULT, rate), float32_to_pcm16(signal))
         _assert_times(as_int16, expected, FRAME_TOLERANCE_MS)
 
 
 def test_reset_forgets_the_turn_but_keeps_the_timeline() -> None:
-    signal = _signal(16000, ("noise", 600), ("voice", 1000), ("noise", 1000))
+    signal = signal_of(16000, ("noise", 600), ("voice", 1000), ("noise", 1000))
     detector = TurnDetector(DEFAULT, 16000)
     assert _times(detector.feed(signal[: 16 * 1000])) == [("start", 300)]
     assert detector.is_speaking and detector.turn_start_ms == 300

@@ -4,8 +4,8 @@
 port listens and stops them after the server has closed its connections, so a stop signal is
 handled at any point instead of after start-up.
 
-Routes so far: `GET /health` (200 only when every stage process is ready). The WebSocket session
-layer (`/v1/realtime`, `/twilio/media`, `/ws`) arrives with the session issue.
+Routes: `GET /health` (200 only when every stage process is ready) and `WS /ws`, the native voice
+protocol (`voice_server/session/native.py`). `/v1/realtime` and `/twilio/media` are to come.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from __future__ import annotations
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
-from starlette.routing import Route
+from starlette.routing import Route, WebSocketRoute
 
 from voice_server.engine.coordinator import Coordinator
+from voice_server.session.native import native_ws
 
 
 async def health(request: Request) -> JSONResponse:
@@ -24,6 +25,6 @@ async def health(request: Request) -> JSONResponse:
 
 
 def create_app(coordinator: Coordinator) -> Starlette:
-    app = Starlette(routes=[Route("/health", health)])
+    app = Starlette(routes=[Route("/health", health), WebSocketRoute("/ws", native_ws)])
     app.state.coordinator = coordinator
     return app

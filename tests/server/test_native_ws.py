@@ -1,0 +1,202 @@
+"""`WS /ws` end to end: a real uvicorn server on 127.0.0.1 (in this process, on the coordinator's
+loop, so the test can read the stages' counters), real stage processes running a stand-in speech
+stage (`tests/speech_stages.py`), and real WebSocket clients streaming speech-like audio at real-time
+pace: turn detection, responses with audio, history across turns, barge-in, cancellation, bad input,
+and a client that vanishes mid-response."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+import uvicorn
+from harness import Pipeline, shm_segments
+from speech_signals import signal_of
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import ClientConnection, connect
+
+from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
+from voice_server.config import pipeline_from_dict
+from voice_server.server.app import create_app
+
+RATE = 16000
+CHUNK_MS = 20
+STEP_DELAY_MS = 30  # NOTE: each step streams 80 ms of audio: faster than real time, slow enough to interrupt
+
+
+class Server:
+    def __init__(self) -> None:
+        self.pipeline = Pipeline(pipeline_from_dict({"name": "speech-test", "stages": [{
+            "name": "speech", "factory": "speech_stages:create_fake_speech", "scheduler": "ar", "terminal": True,
+            "max_batch_size": 8, "max_step_tokens": 64, "factory_args": {"step_delay_ms": STEP_DELAY_MS},
+        }]}))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        config = uvicorn.Config(create_app(self.pipeline.coordinator), host="127.0.0.1", port=self.port,
+                                log_level="warning", ws_max_size=1 << 20, lifespan="off")
+        self.server = uvicorn.Server(config)
+        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), self.pipeline.lt.loop)
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < deadline and not self.task.done(), "uvicorn did not start"
+            time.sleep(0.02)
+
+    def counters(self) -> dict[str, int]:
+        return self.pipeline.run(self.pipeline.coordinator.stats())["speech"].counters["speech"]
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.task.result(10)
+        self.pipeline.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = Server()
+    yield srv
+    srv.close()
+    assert shm_segments(srv.pipeline.coordinator.launch_id) == []
+
+
+def open_session(server: Server, **start: Any) -> ClientConnection:
+    ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
+    ws.send(json.dumps({"type": "session.start", "input_rate": RATE, "output_rate": 24000,
+                        "params": {"sampling": {"max_tokens": 12}}, **start}))
+    assert json.loads(ws.recv(5))["type"] == "session.started"
+    return ws
+
+
+def stream_audio(ws: ClientConnection, signal: np.ndarray, pace: float = 1.0) -> None:
+    """Send `signal` in 20 ms frames at `pace` x real time."""
+    pcm = float32_to_pcm16(signal)
+    step = RATE * CHUNK_MS // 1000
+    start = time.monotonic()
+    for i in range(0, len(pcm), step):
+        ws.send(pcm16_to_bytes(pcm[i:i + step]))
+        delay = start + (i + step) / RATE / pace - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+
+
+def events_until(ws: ClientConnection, kind: str, timeout: float = 10.0) -> tuple[list[dict[str, Any]], int]:
+    """JSON events up to and including the first of `kind`, and the audio bytes received meanwhile
+    (each event gets `audio_before`: the audio bytes received before it, and `at`: when it came)."""
+    events, num_audio_bytes = [], 0
+    deadline = time.monotonic() + timeout
+    while True:
+        message = ws.recv(max(0.01, deadline - time.monotonic()))
+        if isinstance(message, bytes):
+            num_audio_bytes += len(message)
+            continue
+        event = json.loads(message)
+        events.append({**event, "audio_before": num_audio_bytes, "at": time.monotonic()})
+        if event["type"] == kind:
+            return events, num_audio_bytes
+
+
+def test_a_spoken_turn_gets_a_spoken_reply_and_the_next_turn_sees_it(server: Server) -> None:
+    ws = open_session(server)
+    stream_audio(ws, signal_of(RATE, ("noise", 300), ("voice", 900), ("noise", 700)), pace=4.0)
+    events, audio = events_until(ws, "response_done")
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["speech_started", "speech_stopped", "input_committed", "response_started"], kinds
+    committed = events[2]
+    assert 800 <= committed["audio_ms"] <= 2000  # the turn: prefix padding, speech and closing silence
+    done = events[-1]
+    assert done["status"] == "completed" and done["text"].split()[:2] == ["m1a1", "p0"]
+    assert audio == 12 * 80 * 24 * 2, "12 words x 80 ms at 24 kHz, 16-bit"
+    assert done["audio_ms"] == 12 * 80 and "speech" in done["timings_ms"] and "first_audio_sent" in done["timings_ms"]
+    assert "".join(e["delta"] for e in events if e["type"] == "text_delta") == " " + done["text"].strip()
+    # A typed second turn sees the spoken one and the reply: system-less, so 3 messages, 1 with audio.
+    ws.send(json.dumps({"type": "text", "text": "and now?"}))
+    events, _ = events_until(ws, "response_done")
+    assert events[-1]["text"].split()[:2] == ["m3a1", "p12"]
+    ws.close()
+
+
+def test_barge_in_stops_the_audio_and_keeps_only_what_was_played(server: Server) -> None:
+    ws = open_session(server, params={"sampling": {"max_tokens": 200}})
+    ws.send(json.dumps({"type": "text", "text": "tell me a long story"}))
+    events, audio = events_until(ws, "response_started")
+    deadline = time.monotonic() + 5
+    while audio < 24 * 2 * 400:  # at least 400 ms of reply audio has arrived
+        message = ws.recv(max(0.01, deadline - time.monotonic()))
+        audio += len(message) if isinstance(message, bytes) else 0
+    ws.send(json.dumps({"type": "playback", "played_ms": 240}))
+    stream_audio(ws, signal_of(RATE, ("voice", 600), ("noise", 700)), pace=1.0)
+    events, late_audio = events_until(ws, "response_done")
+    kinds = [e["type"] for e in events]
+    assert "speech_started" in kinds and kinds.index("speech_started") < kinds.index("response_done")
+    started = events[kinds.index("speech_started")]
+    # NOTE: audio stops at once: after the client sees speech_started, at most the one 80 ms chunk
+    # already being written arrives, and the response is done within 100 ms.
+    assert late_audio - started["audio_before"] <= 80 * 24 * 2, (late_audio, started["audio_before"])
+    assert events[-1]["at"] - started["at"] < 0.1
+    truncated = next(e for e in events if e["type"] == "item_truncated")
+    assert truncated["audio_end_ms"] == 240
+    done = events[-1]
+    assert done["status"] == "cancelled" and done["audio_ms"] == 240
+    # The text is cut in proportion to the audio heard, at a word boundary: 240 ms of 80 ms words is
+    # about 3 words (word lengths differ, so 2-3); the next request's history holds exactly that text.
+    assert 2 <= len(done["text"].split()) <= 3, done["text"]
+    events, _ = events_until(ws, "response_done")  # the interruption's own turn gets a reply
+    assert events[-1]["text"].split()[:2] == ["m3a1", f"p{len(done['text'].split())}"]
+    ws.close()
+
+
+def test_cancel_and_bad_messages_get_events_and_the_session_goes_on(server: Server) -> None:
+    ws = open_session(server, turn_detection=None)
+    for bad, code in (("{not json", "invalid_json"), (json.dumps({"type": "dance"}), "unknown_event"),
+                      (json.dumps({"type": "playback", "played_ms": -3}), "invalid_value"),
+                      (json.dumps({"type": "response.cancel"}), "no_response")):
+        ws.send(bad)
+        event = json.loads(ws.recv(5))
+        assert event["type"] == "error" and event["code"] == code, event
+    ws.send(b"\x01\x02\x03")
+    assert json.loads(ws.recv(5))["code"] == "invalid_audio"
+    ws.send(json.dumps({"type": "text", "text": "hi"}))
+    events_until(ws, "response_started")
+    ws.send(json.dumps({"type": "response.cancel"}))
+    events, _ = events_until(ws, "response_done")
+    assert events[-1]["status"] == "cancelled"
+    ws.send(json.dumps({"type": "text", "text": "again"}))
+    events, _ = events_until(ws, "response_done")
+    assert events[-1]["status"] == "completed"
+    ws.close()
+
+
+@pytest.mark.parametrize("first", ["hello", json.dumps({"type": "session.start", "input_rate": 11025}),
+                                   json.dumps({"type": "session.start", "turn_detection": {"threshold": 5}})])
+def test_a_bad_first_message_closes_with_1008(server: Server, first: str) -> None:
+    ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
+    ws.send(first)
+    with pytest.raises(ConnectionClosed) as info:
+        ws.recv(5)
+    assert info.value.rcvd is not None and info.value.rcvd.code == 1008
+
+
+def test_an_oversize_frame_closes_with_1009(server: Server) -> None:
+    ws = open_session(server)
+    ws.send(b"\x00" * (2 << 20))
+    with pytest.raises(ConnectionClosed) as info:
+        ws.recv(5)
+    assert info.value.rcvd is not None and info.value.rcvd.code == 1009
+
+
+def test_a_client_that_vanishes_mid_response_frees_the_stage(server: Server) -> None:
+    ws = open_session(server, params={"sampling": {"max_tokens": 400}})
+    ws.send(json.dumps({"type": "text", "text": "go on forever"}))
+    events_until(ws, "response_started")
+    ws.recv(5)
+    ws.socket.close()  # NOTE: no close frame: the TCP connection just ends
+    deadline = time.monotonic() + 10
+    while (stats := server.counters())["num_running"] or stats["num_used_pages"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)

@@ -1,0 +1,107 @@
+"""A session's conversation: the items of both sides, what the next response sees, and truncation.
+
+Items are kept as the pipeline reads them: user turns as text or as 16 kHz float32 audio (the rate
+speech encoders take), assistant turns as the text of what the user actually heard. After a
+barge-in the assistant item is cut to the audio the client played (`truncate`), and its text to the
+words spoken up to that point, so the next response does not believe it said what nobody heard.
+
+NOTE: the text is cut in proportion to the audio heard, at a word boundary (a pipeline gives no
+word timings; speech rate is close enough to constant over one reply). Words are kept only when
+their end falls within the heard fraction: a word cut off mid-way counts as not said.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+SPEECH_RATE = 16000
+"""Sample rate of user audio in the conversation (what speech encoders take)."""
+ROLES = ("system", "user", "assistant")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+@dataclass
+class Item:
+    item_id: str
+    role: str
+    text: str = ""
+    audio: npt.NDArray[np.float32] | None = None
+    """User audio, float32 mono at `SPEECH_RATE`."""
+    num_audio_ms: int = 0
+    """Assistant: audio sent to the client (after truncation: heard). User: length of `audio`."""
+    status: str = "completed"
+    """`in_progress` while a response writes it, `completed`, or `incomplete` (cancelled, truncated)."""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"item.role: must be one of {', '.join(ROLES)}, got {self.role!r}")
+
+
+@dataclass
+class Conversation:
+    max_items: int = 512
+    """Oldest items are dropped beyond this (a long call must not grow without bound)."""
+    items: list[Item] = field(default_factory=list)
+
+    def add(self, item: Item) -> Item:
+        self.items.append(item)
+        if len(self.items) > self.max_items:
+            del self.items[: len(self.items) - self.max_items]
+        return item
+
+    def get(self, item_id: str) -> Item | None:
+        return next((item for item in self.items if item.item_id == item_id), None)
+
+    def delete(self, item_id: str) -> bool:
+        item = self.get(item_id)
+        if item is not None:
+            self.items.remove(item)
+        return item is not None
+
+    def truncate(self, item_id: str, audio_end_ms: int) -> Item:
+        """Keep only the first `audio_end_ms` of an assistant item's audio, and its text up to there."""
+        item = self.get(item_id)
+        if item is None or item.role != "assistant":
+            raise ValueError(f"item_id: no assistant item {item_id!r}")
+        if not 0 <= audio_end_ms <= item.num_audio_ms:
+            raise ValueError(f"audio_end_ms: must be in [0, {item.num_audio_ms}] (the audio sent), got {audio_end_ms}")
+        if audio_end_ms < item.num_audio_ms:
+            item.text = cut_text(item.text, audio_end_ms / item.num_audio_ms if item.num_audio_ms else 0.0)
+            item.num_audio_ms = audio_end_ms
+            item.status = "incomplete"
+        return item
+
+    def to_messages(self, instructions: str) -> list[dict[str, Any]]:
+        """What the pipeline sees: the instructions as the system message, then every item."""
+        messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+        for item in self.items:
+            if item.role == "assistant" and not item.text:
+                continue  # NOTE: nothing of it was heard (or it was audio only): it was not said
+            message: dict[str, Any] = {"role": item.role, "content": item.text}
+            if item.audio is not None:
+                message["audio"] = item.audio
+            messages.append(message)
+        return messages
+
+
+def cut_text(text: str, fraction: float) -> str:
+    """The words of `text` whose last character lies within the first `fraction` of its characters."""
+    if fraction >= 1.0:
+        return text
+    limit = fraction * len(text)
+    kept, end = [], 0
+    for word in text.split(" "):
+        end += len(word)
+        if end > limit:
+            break
+        kept.append(word)
+        end += 1
+    return " ".join(kept).rstrip()

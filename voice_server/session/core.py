@@ -1,0 +1,212 @@
+"""`Session`: one client connection's voice conversation, independent of the wire protocol.
+
+The endpoint feeds it input audio (PCM16 at the session's input rate), text turns, commits, cancels
+and playback reports, and sends out the `SessionEvent`s it emits. Turn detection runs on the input
+audio (`TurnDetector`); at the end of a user turn the turn's audio (prefix padding included) becomes a
+user item and, with `create_response`, a response starts (`ResponseRun`).
+
+Barge-in: speech that starts while a response is running, with `interrupt_response`, cancels the
+response at once (no audio is sent after that moment; the request is aborted in every stage) and cuts
+the assistant item to what the client played (its last playback report; without one, everything
+sent) and its text to the words spoken up to there.
+
+One response at a time: a new one cancels the running one (as a barge-in would).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from voice_server.audio import StreamResampler, pcm16_to_float32
+from voice_server.session.conversation import SPEECH_RATE, Conversation, Item, new_id
+from voice_server.session.events import (
+    InputCommitted,
+    ItemTruncated,
+    ResponseDone,
+    ResponseStarted,
+    SessionError,
+    SpeechStarted,
+    SpeechStopped,
+)
+from voice_server.session.response import Emit, ResponseRun
+from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.vad import SpeechStarted as VadStarted
+from voice_server.session.vad import TurnDetector
+
+MAX_BUFFER_S = 120
+"""Input audio kept for the current turn at most; older audio is dropped (a turn that never ends)."""
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    input_rate: int = 24000
+    output_rate: int = 24000
+    instructions: str = ""
+    turn_detection: TurnDetectionConfig | None = TurnDetectionConfig()
+    """None: manual turns (the client commits and asks for responses)."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """Request params every response sends (e.g. sampling), as items so the config stays hashable."""
+
+    def __post_init__(self) -> None:
+        for name in ("input_rate", "output_rate"):
+            value = getattr(self, name)
+            if value not in (8000, 16000, 24000, 48000):
+                raise ValueError(f"{name}: must be 8000, 16000, 24000 or 48000, got {value!r}")
+        if not isinstance(self.instructions, str) or len(self.instructions) > 100_000:
+            raise ValueError("instructions: must be a string of at most 100000 characters")
+
+
+class Session:
+    def __init__(self, coordinator: Any, config: SessionConfig, emit: Emit) -> None:
+        self.coordinator, self.config, self.emit = coordinator, config, emit
+        self.conversation = Conversation()
+        self.detector = TurnDetector(config.turn_detection, config.input_rate) if config.turn_detection else None
+        self._buffer: list[npt.NDArray[np.int16]] = []
+        self._buffer_start_ms = 0
+        """Input timeline position of the first buffered sample."""
+        self._num_input_samples = 0
+        self._turn_item_id = ""
+        self._turn_start_ms = 0
+        self._response: asyncio.Task[None] | None = None
+        self._run: ResponseRun | None = None
+        self.played_ms: int | None = None
+        """The client's last playback report for the running (or last) response."""
+        self.num_barge_ins = 0
+
+    # -- input ---------------------------------------------------------------------------------------
+
+    async def on_audio(self, pcm16: npt.NDArray[np.int16]) -> None:
+        self._buffer.append(pcm16)
+        self._num_input_samples += pcm16.size
+        self._trim_buffer()
+        if self.detector is None:
+            return
+        for event in self.detector.feed(pcm16):
+            if isinstance(event, VadStarted):
+                self._turn_item_id, self._turn_start_ms = new_id("item"), event.audio_start_ms
+                await self.emit(SpeechStarted(self._turn_item_id, event.audio_start_ms))
+                if self._is_responding() and self.detector.config.interrupt_response:
+                    await self.barge_in()
+            else:
+                item_id = self._turn_item_id or new_id("item")
+                await self.emit(SpeechStopped(item_id, event.audio_end_ms))
+                await self._commit_audio(item_id, self._turn_start_ms, event.audio_end_ms)
+                if self.detector.config.create_response:
+                    await self.create_response()
+
+    async def commit(self) -> None:
+        """Manual turn end: everything buffered becomes the user's item."""
+        end_ms = self._num_input_samples * 1000 // self.config.input_rate
+        await self._commit_audio(new_id("item"), self._buffer_start_ms, end_ms)
+
+    def clear(self) -> None:
+        self._buffer, self._buffer_start_ms = [], self._num_input_samples * 1000 // self.config.input_rate
+        if self.detector is not None:
+            self.detector.reset()
+
+    async def add_text(self, text: str, role: str = "user") -> Item:
+        item = self.conversation.add(Item(new_id("item"), role, text))
+        await self.emit(InputCommitted(item.item_id, 0, text))
+        return item
+
+    def on_playback(self, played_ms: int) -> None:
+        self.played_ms = max(0, int(played_ms))
+
+    async def _commit_audio(self, item_id: str, start_ms: int, end_ms: int) -> None:
+        audio = self._take(start_ms, end_ms)
+        if audio.size == 0:
+            await self.emit(SessionError("input_audio_buffer_commit_empty", "no audio to commit"))
+            return
+        speech = audio if self.config.input_rate == SPEECH_RATE else StreamResampler(
+            self.config.input_rate, SPEECH_RATE).process(audio)
+        item = self.conversation.add(Item(item_id, "user", audio=speech, num_audio_ms=end_ms - start_ms))
+        await self.emit(InputCommitted(item.item_id, item.num_audio_ms))
+
+    def _take(self, start_ms: int, end_ms: int) -> npt.NDArray[np.float32]:
+        """The buffered input between two timeline positions, as float32; the buffer restarts at `end_ms`."""
+        pcm = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
+        rate = self.config.input_rate
+        first = max(0, (start_ms - self._buffer_start_ms) * rate // 1000)
+        last = max(first, (end_ms - self._buffer_start_ms) * rate // 1000)
+        rest = pcm[last:]
+        self._buffer = [rest] if rest.size else []
+        self._buffer_start_ms = end_ms
+        return pcm16_to_float32(pcm[first:last])
+
+    def _trim_buffer(self) -> None:
+        rate = self.config.input_rate
+        num = sum(b.size for b in self._buffer)
+        if num > MAX_BUFFER_S * rate:
+            pcm = np.concatenate(self._buffer)[num - MAX_BUFFER_S * rate:]
+            self._buffer = [pcm]
+            self._buffer_start_ms = (self._num_input_samples - pcm.size) * 1000 // rate
+
+    # -- responses -------------------------------------------------------------------------------------
+
+    def _is_responding(self) -> bool:
+        return self._response is not None and not self._response.done()
+
+    async def create_response(self, params: dict[str, Any] | None = None) -> str:
+        if self._is_responding():
+            await self.cancel_response()
+        response_id = new_id("resp")
+        item = self.conversation.add(Item(new_id("item"), "assistant", status="in_progress"))
+        payload = {"messages": self.conversation.to_messages(self.config.instructions)}
+        # NOTE: the new item is in the conversation (it is the reply) but not in the payload: empty.
+        run = ResponseRun(response_id, item, self.config.output_rate, self.emit)
+        self._run, self.played_ms = run, None
+        await self.emit(ResponseStarted(response_id, item.item_id))
+        self._response = asyncio.create_task(self._respond(run, payload, {**dict(self.config.params),
+                                                                            **(params or {})}))
+        return response_id
+
+    async def _respond(self, run: ResponseRun, payload: dict[str, Any], params: dict[str, Any]) -> None:
+        error = await run.run(self.coordinator.submit, payload, params)
+        run.item.status = "incomplete" if error else "completed"
+        await self.emit(ResponseDone(run.response_id, run.item.item_id, "failed" if error else "completed",
+                                     run.item.text, run.item.num_audio_ms, dict(run.timings_ms), error))
+
+    async def cancel_response(self) -> bool:
+        """Stop the running response where it is (audio sent so far stays sent); False if none runs."""
+        run = await self._stop()
+        if run is None:
+            return False
+        await self._done(run, "cancelled")
+        return True
+
+    async def barge_in(self) -> None:
+        """The user speaks over the response: cancel it and keep only what the client played (its
+        last playback report; without one, all the audio sent). The truncation comes before the
+        cancelled `ResponseDone`, which then reports what was heard."""
+        run = await self._stop()
+        if run is None:
+            return
+        self.num_barge_ins += 1
+        heard = run.item.num_audio_ms if self.played_ms is None else min(self.played_ms, run.item.num_audio_ms)
+        self.conversation.truncate(run.item.item_id, heard)
+        await self.emit(ItemTruncated(run.item.item_id, heard))
+        await self._done(run, "cancelled")
+
+    async def _stop(self) -> ResponseRun | None:
+        task, run = self._response, self._run
+        if task is None or run is None or task.done():
+            return None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        run.item.status = "incomplete"
+        return run
+
+    async def _done(self, run: ResponseRun, status: str) -> None:
+        await self.emit(ResponseDone(run.response_id, run.item.item_id, status, run.item.text,
+                                     run.item.num_audio_ms, dict(run.timings_ms)))
+
+    async def close(self) -> None:
+        """The connection ended: abort whatever runs (the request leaves every stage)."""
+        await self.cancel_response()

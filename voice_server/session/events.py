@@ -1,0 +1,83 @@
+"""What a `Session` tells its endpoint, one typed event per happening, independent of the protocol.
+
+Each endpoint (`/ws`, later `/v1/realtime` and `/twilio/media`) maps these onto its own wire format.
+Times are ms on the session's input timeline (`*_ms`) or ms after the request was submitted
+(`timings_ms`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    item_id: str
+    audio_start_ms: int
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    item_id: str
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class InputCommitted:
+    item_id: str
+    num_audio_ms: int
+    text: str = ""
+
+
+@dataclass(frozen=True)
+class ResponseStarted:
+    response_id: str
+    item_id: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    response_id: str
+    item_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class AudioDelta:
+    response_id: str
+    item_id: str
+    pcm16: npt.NDArray[np.int16]
+    """Mono PCM at the session's output rate."""
+
+
+@dataclass(frozen=True)
+class ResponseDone:
+    response_id: str
+    item_id: str
+    status: str
+    """`completed`, `cancelled` (barge-in or cancel) or `failed`."""
+    text: str
+    num_audio_ms: int
+    """Audio sent (or, after a barge-in, heard)."""
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    """Each stage's first output after submit (`submit` excluded), and `first_audio_sent` at the session."""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ItemTruncated:
+    item_id: str
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class SessionError:
+    code: str
+    message: str
+
+
+SessionEvent = (SpeechStarted | SpeechStopped | InputCommitted | ResponseStarted | TextDelta | AudioDelta
+                | ResponseDone | ItemTruncated | SessionError)

@@ -1,0 +1,188 @@
+"""`WS /ws`: the native protocol (what the browser demo uses): binary PCM16 frames, JSON control.
+
+1. The client's first message is JSON `{"type": "session.start", "input_rate": 16000,
+   "output_rate": 24000, "instructions": "...", "turn_detection": {server_vad fields} | null,
+   "params": {...}}` (every field optional; rates 8000/16000/24000/48000, default 24000; `params` go
+   with every request, e.g. `{"sampling": {"max_tokens": 64}}`). The server answers `session.started`.
+2. Then binary frames are mono PCM16 little-endian audio at `input_rate`; text frames are JSON:
+   `input.commit`, `input.clear` (manual turns), `text` `{"text", "respond": true}`, `response.create`,
+   `response.cancel`, `playback` `{"played_ms"}` (how much of the current response the client has
+   played: a barge-in keeps exactly that much in the conversation).
+3. The server sends JSON events `speech_started`, `speech_stopped`, `input_committed`,
+   `response_started`, `text_delta`, `response_done` (`status`, `text`, `audio_ms`, `timings_ms`),
+   `item_truncated`, `error` (`code`, `message`), and binary frames of PCM16 at `output_rate`: the
+   audio of the response between its `response_started` and `response_done`.
+
+Errors: a first message that is not a valid `session.start` closes with 1008 (with the reason); a
+bad message afterwards gets an `error` event and the session goes on; frames over the server's size
+limit close with 1009 (uvicorn). Whenever the connection ends the running response is aborted in
+every stage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import numpy as np
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
+from voice_server.session.core import Session, SessionConfig
+from voice_server.session.events import (
+    AudioDelta,
+    InputCommitted,
+    ItemTruncated,
+    ResponseDone,
+    ResponseStarted,
+    SessionError,
+    SessionEvent,
+    SpeechStarted,
+    SpeechStopped,
+    TextDelta,
+)
+from voice_server.session.turn_config import TurnDetectionConfig
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 10.0
+CLOSE_POLICY = 1008
+
+
+def read_start(message: Any) -> SessionConfig:
+    """The `session.start` message -> the session's config; ValueError naming the field."""
+    if not isinstance(message, dict) or message.get("type") != "session.start":
+        raise ValueError("the first message must be JSON {\"type\": \"session.start\", ...}")
+    known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params"}
+    unknown = sorted(str(k) for k in message if k not in known)
+    if unknown:
+        raise ValueError(f"session.start: unknown field(s) {', '.join(unknown)}")
+    raw_turns = message.get("turn_detection", {"type": "server_vad"})
+    turns = None if raw_turns is None else TurnDetectionConfig.from_openai(
+        {"type": "server_vad", **raw_turns} if isinstance(raw_turns, dict) else raw_turns)
+    params = message.get("params", {})
+    if not isinstance(params, dict):
+        raise ValueError("params: must be an object")
+    return SessionConfig(input_rate=message.get("input_rate", 24000), output_rate=message.get("output_rate", 24000),
+                         instructions=message.get("instructions", ""), turn_detection=turns,
+                         params=tuple(params.items()))
+
+
+def to_json(event: SessionEvent) -> dict[str, Any]:
+    if isinstance(event, SpeechStarted):
+        return {"type": "speech_started", "item_id": event.item_id, "audio_start_ms": event.audio_start_ms}
+    if isinstance(event, SpeechStopped):
+        return {"type": "speech_stopped", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
+    if isinstance(event, InputCommitted):
+        return {"type": "input_committed", "item_id": event.item_id, "audio_ms": event.num_audio_ms,
+                "text": event.text}
+    if isinstance(event, ResponseStarted):
+        return {"type": "response_started", "response_id": event.response_id, "item_id": event.item_id}
+    if isinstance(event, TextDelta):
+        return {"type": "text_delta", "response_id": event.response_id, "delta": event.delta}
+    if isinstance(event, ResponseDone):
+        return {"type": "response_done", "response_id": event.response_id, "item_id": event.item_id,
+                "status": event.status, "text": event.text, "audio_ms": event.num_audio_ms,
+                "timings_ms": event.timings_ms, "error": event.error}
+    if isinstance(event, ItemTruncated):
+        return {"type": "item_truncated", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
+    assert isinstance(event, SessionError)
+    return {"type": "error", "code": event.code, "message": event.message}
+
+
+class NativeConnection:
+    """One `/ws` connection: receive loop -> `Session`, its events -> the socket (one sender at a time)."""
+
+    def __init__(self, websocket: WebSocket) -> None:
+        self.websocket = websocket
+        self._send_lock = asyncio.Lock()
+        self.is_open = True
+
+    async def emit(self, event: SessionEvent) -> None:
+        if not self.is_open:
+            return
+        try:
+            async with self._send_lock:
+                if isinstance(event, AudioDelta):
+                    await self.websocket.send_bytes(pcm16_to_bytes(event.pcm16))
+                else:
+                    await self.websocket.send_text(json.dumps(to_json(event)))
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.is_open = False  # NOTE: the client is gone; the receive loop ends the session
+
+    async def error(self, code: str, message: str) -> None:
+        await self.emit(SessionError(code, message))
+
+    async def serve(self, coordinator: Any) -> None:
+        websocket = self.websocket
+        await websocket.accept()
+        try:
+            first = await asyncio.wait_for(websocket.receive(), START_TIMEOUT_S)
+            config = read_start(json.loads(first.get("text") or "null"))
+        except (asyncio.TimeoutError, ValueError, TypeError) as exc:
+            await websocket.close(CLOSE_POLICY, reason=str(exc)[:120])
+            return
+        session = Session(coordinator, config, self.emit)
+        await websocket.send_text(json.dumps({
+            "type": "session.started", "input_rate": config.input_rate, "output_rate": config.output_rate,
+            "turn_detection": None if config.turn_detection is None else "server_vad"}))
+        try:
+            while self.is_open:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("bytes") is not None:
+                    await self._on_audio(session, message["bytes"])
+                elif message.get("text") is not None:
+                    await self._on_control(session, message["text"])
+        except WebSocketDisconnect:
+            pass
+        finally:
+            self.is_open = False
+            await session.close()
+
+    async def _on_audio(self, session: Session, data: bytes) -> None:
+        try:
+            pcm = pcm16_from_bytes(data)
+        except ValueError as exc:
+            await self.error("invalid_audio", str(exc))
+            return
+        await session.on_audio(np.ascontiguousarray(pcm))
+
+    async def _on_control(self, session: Session, text: str) -> None:
+        try:
+            message = json.loads(text)
+        except ValueError:
+            await self.error("invalid_json", "a text frame must be a JSON object")
+            return
+        kind = message.get("type") if isinstance(message, dict) else None
+        if kind == "input.commit":
+            await session.commit()
+        elif kind == "input.clear":
+            session.clear()
+        elif kind == "text":
+            body = message.get("text")
+            if not isinstance(body, str) or not body:
+                await self.error("invalid_value", "text: must be a non-empty string")
+                return
+            await session.add_text(body)
+            if message.get("respond", True):
+                await session.create_response()
+        elif kind == "response.create":
+            await session.create_response()
+        elif kind == "response.cancel":
+            if not await session.cancel_response():
+                await self.error("no_response", "no response is running")
+        elif kind == "playback":
+            played = message.get("played_ms")
+            if isinstance(played, bool) or not isinstance(played, int) or played < 0:
+                await self.error("invalid_value", "played_ms: must be an integer >= 0")
+                return
+            session.on_playback(played)
+        else:
+            await self.error("unknown_event", f"unknown message type {kind!r}")
+
+
+async def native_ws(websocket: WebSocket) -> None:
+    await NativeConnection(websocket).serve(websocket.app.state.coordinator)

@@ -1,0 +1,94 @@
+"""One response of a session: a pipeline request whose text and audio stream back to the client.
+
+The request payload is `{"messages": [...]}` (`Conversation.to_messages`: `role`, `content`, and
+`audio` for spoken user turns); the pipeline's terminal outputs are read by key: a stream output's
+`text` is a text delta, its `pcm` (float32 mono, at its `sample_rate`) audio. Final outputs carry
+totals and are not replayed. Audio is resampled to the session's output rate as it arrives.
+
+Cancellation (barge-in, `response.cancel`, the client gone) cancels the task running `run`: the
+request stream closes, which aborts the request in every stage (`RequestStream`), and nothing more
+is sent to the client from the moment the task is cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+from voice_server.audio import StreamResampler, float32_to_pcm16
+from voice_server.engine.requests import RequestError, TerminalOutput
+from voice_server.session.conversation import Item
+from voice_server.session.events import AudioDelta, SessionEvent, TextDelta
+
+Emit = Callable[[SessionEvent], Awaitable[None]]
+
+
+class ResponseRun:
+    def __init__(self, response_id: str, item: Item, output_rate: int, emit: Emit) -> None:
+        self.response_id, self.item, self.output_rate, self.emit = response_id, item, output_rate, emit
+        self.timings_ms: dict[str, float] = {}
+        self.submitted_at = 0.0
+        self.first_audio_at: float | None = None
+        self.num_samples = 0
+        self._resampler: StreamResampler | None = None
+        self._resampler_rate = 0
+
+    async def run(self, submit: Callable[[dict[str, Any], dict[str, Any]], Any], payload: dict[str, Any],
+                  params: dict[str, Any]) -> str:
+        """Stream the response; '' when it completed, else the pipeline's error message."""
+        self.submitted_at = time.monotonic()
+        try:
+            stream = submit(payload, params)
+        except RequestError as exc:
+            return str(exc)
+        try:
+            async for output in stream:
+                await self._on_output(output)
+        except RequestError as exc:
+            return str(exc)
+        finally:
+            await stream.aclose()
+        tail = self._resampler.flush() if self._resampler is not None else None
+        if tail is not None and tail.size:
+            await self._send_audio(tail)
+        return ""
+
+    async def _on_output(self, output: TerminalOutput) -> None:
+        submitted = output.timings.get("submit")
+        if submitted is not None:
+            for stage, at in output.timings.items():
+                if stage != "submit":
+                    self.timings_ms.setdefault(stage, round(1000.0 * (at - submitted), 3))
+        if output.is_final:
+            return
+        text = output.payload.get("text")
+        if isinstance(text, str) and text:
+            self.item.text += text
+            await self.emit(TextDelta(self.response_id, self.item.item_id, text))
+        pcm = output.payload.get("pcm")
+        if pcm is not None:
+            rate = int(output.payload.get("sample_rate", self.output_rate))
+            samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
+            await self._send_audio(self._resample(samples, rate))
+
+    def _resample(self, samples: np.ndarray, rate: int) -> np.ndarray:
+        if rate == self.output_rate:
+            return samples
+        if self._resampler is None or self._resampler_rate != rate:
+            # NOTE: one stream resampler per response (its state spans chunks; a pipeline has one rate).
+            self._resampler, self._resampler_rate = StreamResampler(rate, self.output_rate), rate
+        return self._resampler.process(samples)
+
+    async def _send_audio(self, samples: np.ndarray) -> None:
+        if not samples.size:
+            return
+        pcm16 = float32_to_pcm16(np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0))
+        if self.first_audio_at is None:
+            self.first_audio_at = time.monotonic()
+            self.timings_ms["first_audio_sent"] = round(1000.0 * (self.first_audio_at - self.submitted_at), 3)
+        self.num_samples += pcm16.size
+        self.item.num_audio_ms = self.num_samples * 1000 // self.output_rate
+        await self.emit(AudioDelta(self.response_id, self.item.item_id, pcm16))
