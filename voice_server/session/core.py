@@ -118,6 +118,20 @@ class Session:
     def on_playback(self, played_ms: int) -> None:
         self.played_ms = max(0, int(played_ms))
 
+    def reconfigure(self, config: SessionConfig) -> None:
+        """A new config (e.g. a protocol's `session.update`). A changed input rate or turn detection
+        restarts turn detection and drops buffered input; the output rate applies from the next response."""
+        if (config.input_rate, config.turn_detection) != (self.config.input_rate, self.config.turn_detection):
+            self.detector = TurnDetector(config.turn_detection, config.input_rate) if config.turn_detection else None
+            self._buffer, self._buffer_start_ms, self._num_input_samples = [], 0, 0
+        self.config = config
+
+    async def truncate(self, item_id: str, audio_end_ms: int) -> None:
+        """The client says it played only `audio_end_ms` of an assistant item (ValueError if no such
+        item or past its audio): cut the item's audio and text there."""
+        item = self.conversation.truncate(item_id, audio_end_ms)
+        await self.emit(ItemTruncated(item.item_id, item.num_audio_ms))
+
     async def _commit_audio(self, item_id: str, start_ms: int, end_ms: int) -> None:
         audio = self._take(start_ms, end_ms)
         if audio.size == 0:
