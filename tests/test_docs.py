@@ -22,7 +22,9 @@ _ESCAPING = re.compile(
 )
 _PARENT = re.compile(r"(?:\.\./)+[\w./-]*")
 # Absolute paths a doc may name: runtime locations of the server and its HTTP routes.
-_ALLOWED_ABSOLUTE = ("/dev/shm", "/tmp/voice-server-", "/health", "/proc/")
+# NOTE: the server's URL paths (/health, /ws, ...) are not files.
+_ALLOWED_ABSOLUTE = ("/dev/shm", "/tmp/voice-server-", "/proc/", "/health", "/ws", "/v1/realtime", "/twilio/media",
+                     "/metrics")
 _REPO_EXTENSIONS = (".py", ".md", ".yaml", ".yml", ".toml", ".json", ".cfg", ".txt", ".js", ".html")
 
 
