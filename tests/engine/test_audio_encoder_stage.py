@@ -51,7 +51,7 @@ def pcm(seconds: float, seed: int) -> np.ndarray:
 
 def with_audio(clip: np.ndarray) -> dict[str, Any]:
     ids = tiny_prompt_ids(num_user_text=4, num_audio_tokens=1)
-    return {"token_ids": ids, "audio": [clip], "messages": [{"role": "user", "content": "x"}]}
+    return {"token_ids": ids, "audio": [clip], "note": {"kept": "x"}}
 
 
 def submit_all(omni: Pipeline, payloads: list[dict[str, Any]]) -> list[Any]:
@@ -70,7 +70,7 @@ def submit_all(omni: Pipeline, payloads: list[dict[str, Any]]) -> list[Any]:
 @torch.no_grad()
 def test_concurrent_requests_reach_the_next_stage_encoded(omni: Pipeline) -> None:
     long_clip, short_clip = pcm(2.6, 1), pcm(0.7, 2)
-    text_only = {"token_ids": tiny_prompt_ids(num_user_text=5), "messages": [{"role": "user", "content": "y"}]}
+    text_only = {"token_ids": tiny_prompt_ids(num_user_text=5), "note": {"kept": "y"}}
     results = submit_all(omni, [with_audio(long_clip), text_only, with_audio(short_clip)])
     got = [outputs[-1].payload for outputs in results]
     assert got[1] == {**text_only, "received_keys": sorted(text_only)}
@@ -79,7 +79,7 @@ def test_concurrent_requests_reach_the_next_stage_encoded(omni: Pipeline) -> Non
     assert isinstance(thinker, ThinkerModel)
     front_end = LogMelFrontEnd(num_mel_bins=cfg.thinker.audio.num_mel_bins)
     for clip, payload in ((long_clip, got[0]), (short_clip, got[2])):
-        assert payload["received_keys"] == ["audio_embeds", "audio_token_counts", "messages", "token_ids"]
+        assert payload["received_keys"] == ["audio_embeds", "audio_token_counts", "note", "token_ids"]
         mel = front_end([clip])
         want = thinker.encode_audio(mel.packed(), mel.feature_lens, chunk_pad_len=100)
         (count,) = payload["audio_token_counts"]

@@ -11,6 +11,7 @@ import torch
 
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder, num_audio_tokens
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
+from voice_server.models.qwen3_omni.chat import chat_prompt, tiny_encode
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.loading import load_part
 from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict, tiny_prompt_ids
@@ -67,10 +68,10 @@ def test_audio_tower_part_is_the_thinkers_audio_tower(thinker: ThinkerModel, run
 
 @torch.no_grad()
 def test_batched_equals_alone_and_the_thinkers_encode_audio(thinker: ThinkerModel, runner: AudioEncoderRunner) -> None:
-    two_clips = {"token_ids": prompt(2), "audio": [pcm(2.37, 1), pcm(0.81, 2)], "messages": ["kept"]}
+    two_clips = {"token_ids": prompt(2), "audio": [pcm(2.37, 1), pcm(0.81, 2)], "note": ["kept"]}
     one_clip = {"token_ids": prompt(1), "audio": [pcm(1.3, 3)], "sampling": {"max_tokens": 3}}
     sub_second = {"token_ids": prompt(1), "audio": [pcm(0.6, 7)]}
-    text_only = {"token_ids": prompt(0), "messages": ["hi"]}
+    text_only = {"token_ids": prompt(0), "note": ["hi"]}
     batched = run(runner, two_clips, one_clip, text_only, sub_second)
     del batched[2:3]
     front_end = LogMelFrontEnd(num_mel_bins=CFG.thinker.audio.num_mel_bins)
@@ -164,3 +165,31 @@ def test_factory_builds_the_runner_and_names_bad_arguments() -> None:
         build(max_audio_secs=3)
     with pytest.raises(ConfigError, match="'scheduler'"):
         build(scheduler="ar")
+
+
+def test_chat_messages_become_the_prompt_the_thinker_reads() -> None:
+    # NOTE: the session layer's requests: the chat template lays out roles, one audio block per spoken
+    # turn and the assistant's opening; the result equals sending those token ids and clips directly.
+    from voice_server.stages.audio_encoder import _chat
+
+    tower = load_part("audio_tower", CFG, load_format="dummy", seed=0)
+    assert isinstance(tower, AudioEncoder)
+    chat_runner = AudioEncoderRunner(tower, AudioEncoderRunnerConfig.from_thinker(CFG.thinker, 5),
+                                     lambda messages: _chat(messages, CFG, tiny_encode))
+    clip = pcm(1.2, 7)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "", "audio": clip},
+                {"role": "assistant", "content": "ok"}, {"role": "user", "content": "hi"}]
+    token_ids, clips = chat_prompt(messages, CFG, tiny_encode)
+    ids = TINY_IDS
+    assert token_ids[:3] == [ids["im_start"], ids["system"], 10] and token_ids[-3:] == [ids["im_start"],
+                                                                                       ids["assistant"], 10]
+    assert token_ids.count(ids["audio"]) == 1 and len(clips) == 1
+    via_chat = run(chat_runner, {"messages": messages, "sampling": {"max_tokens": 3}})[0]
+    direct = run(chat_runner, {"token_ids": token_ids, "audio": [clip], "sampling": {"max_tokens": 3}})[0]
+    assert via_chat["token_ids"] == direct["token_ids"] and via_chat["sampling"] == {"max_tokens": 3}
+    torch.testing.assert_close(torch.as_tensor(via_chat["audio_embeds"]), torch.as_tensor(direct["audio_embeds"]))
+    with pytest.raises(AdmissionError, match="only user turns carry audio"):
+        chat_runner.admit(new({"messages": [{"role": "assistant", "content": "", "audio": clip}]}))
+    with pytest.raises(AdmissionError, match="no tokenizer"):
+        AudioEncoderRunner(tower, AudioEncoderRunnerConfig.from_thinker(CFG.thinker, 5)).admit(
+            new({"messages": messages}))

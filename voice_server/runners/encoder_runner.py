@@ -15,13 +15,17 @@ by `audio_embeds` (float [sum N_i, thinker hidden], clips in order), `audio_toke
 is added and each block's placeholder run is expanded to its clip's N_i in `token_ids`. A request
 without audio (no `audio` key, or an empty list, which is dropped) passes through with no forward.
 Malformed input is refused at `admit` with an `AdmissionError` naming the field (`payload.audio[2]`).
+
+A payload `{"messages": [{"role", "content", "audio"?}], ...}` (what the session layer sends) is
+first turned into `token_ids` and `audio` by the stage's chat template (`models/qwen3_omni/chat.py`),
+when the stage has one (a tokenizer, or the tiny preset's stand-in).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,14 +93,20 @@ class AdmittedAudio:
             raise ValueError("AdmittedAudio: clips, is_features, feature_lens and token_counts differ in length")
 
 
+ChatTemplate = Callable[[Any], tuple[list[int], list[Any]]]
+
+
 class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
-    def __init__(self, tower: AudioEncoder, config: AudioEncoderRunnerConfig) -> None:
+    def __init__(
+        self, tower: AudioEncoder, config: AudioEncoderRunnerConfig, chat: ChatTemplate | None = None
+    ) -> None:
         if tower.cfg.num_mel_bins != config.num_mel_bins or tower.cfg.n_window != config.n_window:
             raise ValueError("AudioEncoderRunner: the config's num_mel_bins/n_window differ from the tower's")
         self.tower = tower.eval()
         self.config = config
         self.front_end = LogMelFrontEnd(num_mel_bins=config.num_mel_bins, sampling_rate=SAMPLING_RATE)
         self.device = next(tower.parameters()).device
+        self.chat = chat
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -106,6 +116,8 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
         payload = item.payload
         if not isinstance(payload, dict):
             raise AdmissionError(f"payload: must be a mapping, got {type(payload).__name__}")
+        if "messages" in payload:
+            return self.admit(dataclasses.replace(item, payload=self._from_messages(payload)))
         raw = payload.get("audio")
         if raw is None or (isinstance(raw, list | tuple) and not raw):
             if isinstance(payload.get("token_ids"), list) and self._audio_runs(payload["token_ids"]):
@@ -133,6 +145,18 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
         expanded += token_ids[done:]
         audio = AdmittedAudio(tuple(clips), is_features, feature_lens, counts)
         return dataclasses.replace(item, payload={**payload, "token_ids": expanded, "audio": audio})
+
+    def _from_messages(self, payload: dict[str, Any]) -> dict[str, Any]:
+        if self.chat is None:
+            raise AdmissionError("payload.messages: this stage has no tokenizer; send token_ids (and audio)")
+        if "token_ids" in payload or "audio" in payload:
+            raise AdmissionError("payload: give either messages or token_ids with audio, not both")
+        try:
+            token_ids, clips = self.chat(payload["messages"])
+        except ValueError as exc:
+            raise AdmissionError(str(exc)) from exc
+        rest = {k: v for k, v in payload.items() if k != "messages"}
+        return {**rest, "token_ids": token_ids, **({"audio": clips} if clips else {})}
 
     def _clip(self, where: str, value: Any) -> torch.Tensor:
         if isinstance(value, dict):

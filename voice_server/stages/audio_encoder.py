@@ -5,6 +5,10 @@ The pipeline's entry: it runs the thinker's audio tower alone (its checkpoint te
 and its `next` stage (the thinker) receives `audio_embeds` through the relay, never re-encoding.
 Payload contract: `voice_server/runners/encoder_runner.py`.
 
+Requests may also be chat `messages` (the session layer's), turned into a prompt by the model's chat
+template with the checkpoint's tokenizer.json, or the tiny preset's stand-in tokenizer; a checkpoint
+without either takes only `token_ids`.
+
 factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus
 - `max_audio_seconds` (600): the longest clip accepted (PCM seconds at 16 kHz, or that many
   seconds of log-mel frames); a longer one is refused at admission, alone.
@@ -13,11 +17,17 @@ factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus
 from __future__ import annotations
 
 import math
+from functools import partial
+from typing import Any
 
 from voice_server.config.errors import fail, quoted, show
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
+from voice_server.models.qwen3_omni.chat import Encode, chat_prompt, tiny_encode
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+from voice_server.models.qwen3_omni.presets import TINY_TEXT_VOCAB
 from voice_server.runners.encoder_runner import DEFAULT_MAX_AUDIO_SECONDS, AudioEncoderRunner, AudioEncoderRunnerConfig
+from voice_server.stages.llm import load_hf_tokenizer
 from voice_server.stages.omni_parts import read_omni_args
 
 OWN_ARGS = ("max_audio_seconds",)
@@ -35,4 +45,17 @@ def create_audio_encoder(ctx: StageContext) -> AudioEncoderRunner:
     tower = args.load("audio_tower")
     if not isinstance(tower, AudioEncoder):
         raise TypeError(f"{args.where}: the audio_tower part is a {type(tower).__name__}, not an AudioEncoder")
-    return AudioEncoderRunner(tower, AudioEncoderRunnerConfig.from_thinker(args.cfg.thinker, max_seconds))
+    encode: Encode | None = None
+    tokenizer = load_hf_tokenizer(args.checkpoint) if args.checkpoint is not None else None
+    if tokenizer is not None:
+        encode = tokenizer.encode
+    elif args.cfg.thinker.text.vocab_size == TINY_TEXT_VOCAB:
+        encode = tiny_encode  # NOTE: the tiny test config ships no tokenizer (presets.py)
+    cfg = args.cfg
+    chat = None if encode is None else partial(_chat, cfg=cfg, encode=encode)
+    return AudioEncoderRunner(tower, AudioEncoderRunnerConfig.from_thinker(cfg.thinker, max_seconds), chat)
+
+
+def _chat(messages: Any, cfg: Qwen3OmniConfig, encode: Encode) -> tuple[list[int], list[Any]]:
+    token_ids, clips = chat_prompt(messages, cfg, encode)
+    return token_ids, list(clips)

@@ -1,0 +1,68 @@
+"""Chat messages -> a Qwen3-Omni prompt: token ids with one audio block per spoken turn, and the clips.
+
+The layout of the model's chat template, written out so it needs no template engine:
+
+    <|im_start|>{role}\\n[<|audio_start|><|audio_pad|><|audio_end|>]{text}<|im_end|>\\n ... <|im_start|>assistant\\n
+
+The role names are the config's `system`/`user`/`assistant` token ids (single tokens in the released
+vocabulary), so only text and "\\n" need the tokenizer. The audio block has one placeholder; the
+encoder stage expands it to the clip's token count. This is what the session layer's requests
+(`{"messages": [{"role", "content", "audio"?}]}`) become at the omni pipeline's entry.
+
+The tiny test config has no tokenizer: `tiny_encode` maps UTF-8 bytes into its plain-text id range
+(a stand-in with the same shape: deterministic, "\\n" is its own id), so the tiny pipeline serves
+sessions end to end. Its replies are noise either way (random weights).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
+
+Encode = Callable[[str], list[int]]
+MAX_MESSAGES = 512
+
+
+def tiny_encode(text: str) -> list[int]:
+    """The tiny preset's stand-in tokenizer: "\\n" is 10, every other byte an id in 20..99."""
+    return [10 if b == 10 else 20 + b % 80 for b in text.encode("utf-8")]
+
+
+def chat_prompt(
+    messages: Sequence[Any], cfg: Qwen3OmniConfig, encode: Encode
+) -> tuple[list[int], list[np.ndarray]]:
+    """(token ids ending with the assistant's turn opening, the audio clips in prompt order).
+
+    Each message: `role` (system/user/assistant), `content` (text, may be ""), optional `audio`
+    (16 kHz mono float32 clip). ValueError naming the field for anything else."""
+    if not isinstance(messages, list | tuple) or not messages or len(messages) > MAX_MESSAGES:
+        raise ValueError(f"payload.messages: must be a list of 1 to {MAX_MESSAGES} messages")
+    role_ids = {"system": cfg.system_token_id, "user": cfg.user_token_id, "assistant": cfg.assistant_token_id}
+    th = cfg.thinker
+    newline = encode("\n")
+    tokens: list[int] = []
+    clips: list[np.ndarray] = []
+    for i, message in enumerate(messages):
+        where = f"payload.messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in role_ids:
+            raise ValueError(f"{where}: must be a mapping with a role of {', '.join(role_ids)}")
+        content, audio = message.get("content", ""), message.get("audio")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}.content: must be a string")
+        unknown = sorted(str(k) for k in message if k not in ("role", "content", "audio"))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        tokens += [cfg.im_start_token_id, role_ids[message["role"]], *newline]
+        if audio is not None:
+            if message["role"] != "user":
+                raise ValueError(f"{where}.audio: only user turns carry audio")
+            tokens += [th.audio_start_token_id, th.audio_token_id, th.audio_end_token_id]
+            clips.append(audio)
+        tokens += encode(content) if content else []
+        tokens += [cfg.im_end_token_id, *newline]
+    tokens += [cfg.im_start_token_id, cfg.assistant_token_id, *newline]
+    return tokens, clips
