@@ -128,6 +128,7 @@ def test_eight_staggered_requests_stream_what_the_reference_generates(
         text_ids, codes, wav = (t[0] for t in hf_turn(ref, max_new_tokens, max_frames, **kwargs))
         wav = wav.reshape(-1)
         thinker = by_stage(got, "thinker")
+        assert all(not any(k.startswith("_") for k in p) for p in thinker), "the talker feed is not the client's"
         assert kwargs["input_ids"][0].tolist() + thinker[-1]["token_ids"] == text_ids.tolist()
         frames = [torch.tensor(np.array(p["codes"])) for p in by_stage(got, "talker") if "codes" in p]
         assert frames and torch.equal(torch.cat(frames, dim=1), codes)

@@ -22,6 +22,7 @@ from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.turn import ThinkerTurn, generate_frames, run_greedy_thinker, turn_token_ids
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
+from voice_server.runners.thinker_runner import TALKER_FEED_KEY
 from voice_server.scheduling import ARScheduler, Emit, EmitKind, WorkItem, WorkKind
 
 torch.set_num_threads(1)
@@ -44,11 +45,11 @@ def thinker_chunks(thinker: ThinkerModel, turn: ThinkerTurn, prompt_len: int) ->
     chunks: list[dict[str, Any]] = []
     with torch.no_grad():
         for k, token in enumerate(reply):
-            chunk: dict[str, Any] = {"token_ids": [token], "embed": embed(torch.tensor([token]))}
+            feed: dict[str, Any] = {"embed": embed(torch.tensor([token]))}
             if k == 0:
-                chunk.update(prompt_ids=prompt.tolist(), prompt_embeds=embed(prompt),
-                             mm_hidden=torch.zeros(0, CFG.thinker.text.hidden_size), tts_embeds=embed(tts))
-            chunks.append(chunk)
+                feed.update(prompt_ids=prompt.tolist(), prompt_embeds=embed(prompt),
+                            mm_hidden=torch.zeros(0, CFG.thinker.text.hidden_size), tts_embeds=embed(tts))
+            chunks.append({"token_ids": [token], TALKER_FEED_KEY: feed})
     return chunks
 
 

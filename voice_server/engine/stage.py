@@ -323,7 +323,9 @@ class StageShell:
         if emit.kind is EmitKind.RESULT and stage.next is not None:
             self._send_stage(stage.next, NewRequest(rid, stage.next, emit.payload, params, timings=timings))
         if stage.terminal:
-            self._send(ipc.COORDINATOR, Output(rid, stage.name, emit.is_final, emit.payload, timings))
+            # NOTE: `_`-keys are for downstream stages only (e.g. the thinker's talker feed): not the client's.
+            payload = {k: v for k, v in emit.payload.items() if not k.startswith("_")}
+            self._send(ipc.COORDINATOR, Output(rid, stage.name, emit.is_final, payload, timings))
         if emit.is_final:
             self._ack(runtime.forget(rid))
 

@@ -30,6 +30,7 @@ from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.runners.talker_feed import TalkerFeed
 from voice_server.runners.talker_graphs import DEFAULT_BUCKETS, TalkerDecodeGraphs
+from voice_server.runners.thinker_runner import TALKER_FEED_KEY
 from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SeqOutput
 
@@ -123,7 +124,11 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         if feed is None:
             return item  # a request that already left: the scheduler drops it
         if item.kind is WorkKind.CHUNK:
-            feed.add_chunk(item.payload, self.config.thinker_hidden_size)
+            chunk = item.payload.get(TALKER_FEED_KEY)
+            if not isinstance(chunk, dict):
+                raise AdmissionError(f"chunk payload.{TALKER_FEED_KEY}: missing (list the talker in a thinker's "
+                                     "stream_to)")
+            feed.add_chunk(chunk, self.config.thinker_hidden_size)
         else:
             feed.is_thinker_done = True
         with torch.inference_mode():

@@ -6,10 +6,11 @@ What it adds to a text decoder:
   are fed those embeddings; the prefix cache stops at the first placeholder (the ids of different
   clips are the same, their keys and values are not).
 - The Talker feed, when the stage streams to a talker (`feeds_talker`): every sampled token streams
-  with `embed` [1, H] (its input embedding, which the talker projects as trailing text); the first
-  also with the prompt's `prompt_ids`, `prompt_embeds` [P, H], `mm_hidden` [N, H] (hidden state at
-  the talker's `accept_hidden_layer` at each audio position, captured while the prompt is computed)
-  and `tts_embeds` [3, H] (tts_bos, tts_eos, tts_pad).
+  with `_talker` = {`embed` [1, H] (its input embedding, which the talker projects as trailing text);
+  the first also with the prompt's `prompt_ids`, `prompt_embeds` [P, H], `mm_hidden` [N, H] (hidden
+  state at the talker's `accept_hidden_layer` at each audio position, captured while the prompt is
+  computed) and `tts_embeds` [3, H] (tts_bos, tts_eos, tts_pad)}. The leading underscore keeps it
+  off the client's outputs (the shell strips such keys from terminal outputs).
 
 Text-and-audio prompts have M-RoPE positions 0..n-1 on all three axes (`thinker/rope.py`), so the
 flat positions of the paged context are the model's positions.
@@ -34,6 +35,8 @@ from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARSeq
 
 AUDIO_KEYS = ("audio_embeds", "audio_token_counts")
+TALKER_FEED_KEY = "_talker"
+"""Where a token's talker feed travels in the stream payload (a `_` key: downstream stages only)."""
 
 
 @dataclass
@@ -151,16 +154,16 @@ class ThinkerRunner(DecoderRunner):
         if not self.feeds_talker:
             return {}
         embed_tokens = self.thinker.model.language_model.embed_tokens
-        data: dict[str, Any] = {"embed": embed_tokens(torch.tensor([token], device=self.device))}
+        feed: dict[str, Any] = {"embed": embed_tokens(torch.tensor([token], device=self.device))}
         prompt = self.prompts.get(seq.request_id)
         if prompt is not None and not prompt.is_prompt_sent:
             prompt.is_prompt_sent = True
             hidden = self.shape.hidden_size
-            data.update(
+            feed.update(
                 prompt_ids=list(prompt.token_ids),
                 prompt_embeds=embed_tokens(torch.tensor(prompt.token_ids, device=self.device)),
                 mm_hidden=prompt.mm_hidden if prompt.mm_hidden is not None
                 else torch.zeros(0, hidden, dtype=self.dtype, device=self.device),
                 tts_embeds=self.tts_embeds,
             )
-        return data
+        return {TALKER_FEED_KEY: feed}
