@@ -22,7 +22,7 @@ from twilio_phone import Phone, ulaw_of
 from voice_server.audio import ResamplerSpec, ulaw_decode
 from voice_server.session.conversation import cut_text
 from voice_server.session.events import ItemTruncated, ResponseDone, ResponseStarted, SpeechStarted, TextDelta
-from voice_server.session.twilio import TwilioDtmf, TwilioStart
+from voice_server.session.twilio import TwilioDtmf, TwilioMediaFormat, TwilioStart
 from voice_server.session.twilio.endpoint import TwilioSettings
 
 TURN = ulaw_of(signal_of(16000, ("noise", 300), ("voice", 900)))
@@ -186,3 +186,16 @@ def test_a_caller_who_hangs_up_mid_reply_frees_the_stage(server: Server, calls: 
     wait_until_free(server)
     [(_, done)] = calls.of(phone, ResponseDone)
     assert done.status == "cancelled"
+
+
+def test_settings_give_8_khz_sessions_whose_instructions_a_call_may_override() -> None:
+    def start(**custom: str) -> TwilioStart:
+        return TwilioStart(1, "MZ1", "AC1", "CA1", ("inbound",), custom, TwilioMediaFormat("audio/x-mulaw", 8000, 1))
+
+    settings = TwilioSettings(instructions="be kind")
+    config = settings.session_config(start())
+    assert (config.input_rate, config.output_rate, config.instructions) == (8000, 8000, "be kind")
+    assert config.turn_detection is not None and config.turn_detection.interrupt_response
+    assert settings.session_config(start(instructions="be brief")).instructions == "be brief"
+    with pytest.raises(ValueError, match="token"):
+        TwilioSettings(token="")

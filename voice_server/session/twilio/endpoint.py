@@ -106,6 +106,8 @@ class TwilioConnection:
         """The assistant item whose audio was sent last (it may still be playing at Twilio)."""
         self._cleared_response_id: str | None = None
         """A response whose audio was cleared: what it still emits before the cancel lands is dropped."""
+        self._heard_at_clear_ms = 0
+        """How much of the current response the caller had heard when its audio was cleared."""
 
     @property
     def stream_sid(self) -> str:
@@ -204,30 +206,37 @@ class TwilioConnection:
                 await self._send_audio(self.encoder.encode(event.pcm16), is_last=False)
         elif isinstance(event, ResponseDone):
             self._response_id = None
-            if event.response_id == self._cleared_response_id:
-                self.encoder.reset()
-            else:
+            if event.response_id != self._cleared_response_id:
                 await self._send_audio(self.encoder.flush(), is_last=True)
+            elif event.status != "cancelled":
+                # NOTE: it ended on its own while the clear was being written, so the Session had no
+                # response left to barge in on: cut the item here.
+                await self._truncate(event.item_id, self._heard_at_clear_ms)
 
     async def _on_speech_started(self) -> None:
         session = self.session
         assert session is not None
         turns = session.config.turn_detection
-        is_playing = self._response_id is not None or self.tracker.queued_ms > 0
-        if turns is None or not turns.interrupt_response or not is_playing:
+        is_running = self._response_id is not None
+        if turns is None or not turns.interrupt_response or not (is_running or self.tracker.queued_ms > 0):
             return
         # NOTE: before any await: the response may emit audio while the clear is being written.
         self._cleared_response_id = self._response_id
         self.encoder.reset()
-        heard_ms = int(self.tracker.on_clear())
+        self._heard_at_clear_ms = int(self.tracker.on_clear())
         await self._send([build_clear_message(self.stream_sid)])
-        if self._response_id is None and self._last_item_id is not None:
-            # NOTE: generation had finished, so the Session will not barge in: cut the item here.
-            try:
-                await session.truncate(self._last_item_id, heard_ms)
-            except ValueError as exc:  # NOTE: the item left the history (a very long call)
-                log.info("twilio stream %s: not truncated: %s", self.stream_sid, exc)
-            self._last_item_id = None
+        if not is_running and self._last_item_id is not None:
+            # NOTE: generation had finished (faster than real time) but its audio was still playing:
+            # the Session no longer barges in on it, so the endpoint cuts the item to what was heard.
+            await self._truncate(self._last_item_id, self._heard_at_clear_ms)
+
+    async def _truncate(self, item_id: str, heard_ms: int) -> None:
+        assert self.session is not None
+        self._last_item_id = None
+        try:
+            await self.session.truncate(item_id, heard_ms)
+        except ValueError as exc:  # NOTE: the item left the history (a very long call)
+            log.info("twilio stream %s: not truncated: %s", self.stream_sid, exc)
 
     async def _send_audio(self, frames: list[bytes], *, is_last: bool) -> None:
         messages = []
