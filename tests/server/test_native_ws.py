@@ -1,60 +1,28 @@
-"""`WS /ws` end to end: a real uvicorn server on 127.0.0.1 (in this process, on the coordinator's
-loop, so the test can read the stages' counters), real stage processes running a stand-in speech
-stage (`tests/speech_stages.py`), and real WebSocket clients streaming speech-like audio at real-time
-pace: turn detection, responses with audio, history across turns, barge-in, cancellation, bad input,
-and a client that vanishes mid-response."""
+"""`WS /ws` end to end: a real uvicorn server on 127.0.0.1 (`session_server.Server`: in this process,
+on the coordinator's loop, so the test can read the stages' counters), real stage processes running a
+stand-in speech stage (`tests/speech_stages.py`), and real WebSocket clients streaming speech-like
+audio at real-time pace: turn detection, responses with audio, history across turns, barge-in,
+cancellation, bad input, and a client that vanishes mid-response."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
-from harness import Pipeline, shm_segments
+from harness import shm_segments
+from session_server import Server
 from speech_signals import signal_of
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
-from voice_server.config import pipeline_from_dict
-from voice_server.server.app import create_app
 
 RATE = 16000
 CHUNK_MS = 20
-STEP_DELAY_MS = 30  # NOTE: each step streams 80 ms of audio: faster than real time, slow enough to interrupt
-
-
-class Server:
-    def __init__(self) -> None:
-        self.pipeline = Pipeline(pipeline_from_dict({"name": "speech-test", "stages": [{
-            "name": "speech", "factory": "speech_stages:create_fake_speech", "scheduler": "ar", "terminal": True,
-            "max_batch_size": 8, "max_step_tokens": 64, "factory_args": {"step_delay_ms": STEP_DELAY_MS},
-        }]}))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        config = uvicorn.Config(create_app(self.pipeline.coordinator), host="127.0.0.1", port=self.port,
-                                log_level="warning", ws_max_size=1 << 20, lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), self.pipeline.lt.loop)
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline and not self.task.done(), "uvicorn did not start"
-            time.sleep(0.02)
-
-    def counters(self) -> dict[str, int]:
-        return self.pipeline.run(self.pipeline.coordinator.stats())["speech"].counters["speech"]
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.task.result(10)
-        self.pipeline.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,10 @@
 port listens and stops them after the server has closed its connections, so a stop signal is
 handled at any point instead of after start-up.
 
-Routes: `GET /health` (200 only when every stage process is ready) and `WS /ws`, the native voice
-protocol (`voice_server/session/native.py`). `/v1/realtime` and `/twilio/media` are to come.
+Routes: `GET /health` (200 only when every stage process is ready), `WS /ws`, the native voice
+protocol (`voice_server/session/native.py`), and `WS /twilio/media`, phone calls over Twilio Media
+Streams (`voice_server/session/twilio/endpoint.py`; its settings, e.g. the token, in
+`app.state.twilio`). `/v1/realtime` is to come.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from voice_server.engine.coordinator import Coordinator
 from voice_server.session.native import native_ws
+from voice_server.session.twilio.endpoint import TwilioSettings, twilio_ws
 
 
 async def health(request: Request) -> JSONResponse:
@@ -24,7 +27,9 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(coordinator.health(), status_code=200 if coordinator.is_ready else 503)
 
 
-def create_app(coordinator: Coordinator) -> Starlette:
-    app = Starlette(routes=[Route("/health", health), WebSocketRoute("/ws", native_ws)])
+def create_app(coordinator: Coordinator, twilio: TwilioSettings | None = None) -> Starlette:
+    app = Starlette(routes=[Route("/health", health), WebSocketRoute("/ws", native_ws),
+                            WebSocketRoute("/twilio/media", twilio_ws)])
     app.state.coordinator = coordinator
+    app.state.twilio = twilio or TwilioSettings()
     return app

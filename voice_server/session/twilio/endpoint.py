@@ -1,0 +1,280 @@
+"""`WS /twilio/media`: a phone call over Twilio Media Streams (a bidirectional `<Connect><Stream>`) as a `Session`.
+
+Inbound frames go through `TwilioStreamGuard` (parse, order and identity checks; a fatal error closes
+with its code: 1003, 1008 or 1009). The session starts at `start`: 8 kHz input (the caller's mu-law
+decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), server VAD.
+
+- Settings: `app.state.twilio` (`TwilioSettings`; absent: the defaults, no auth). With a `token`, `start`
+  must carry it in `customParameters` (`is_authorized`), else the socket closes with 1008.
+- Instructions: `settings.instructions`, unless `start.customParameters` has `instructions`: the TwiML
+  that opens the stream is written by our own HTTP handler, so it may pick the prompt per call (e.g. per
+  dialled number). NOTE: without a token anyone may connect and set it; it is only a prompt.
+- Out: each `AudioDelta` -> `TwilioAudioEncoder` -> one `media` frame per 20 ms, each followed by a
+  `mark` (`PlaybackTracker`); the encoder's tail goes out at `ResponseDone`. Each echoed mark moves the
+  session's played position (`Session.on_playback`), so a barge-in keeps what the caller heard.
+- Barge-in: `SpeechStarted` while a response runs or its audio still plays sends `clear` at once (from
+  inside the session's event, before the session cancels the response) and writes off the unplayed
+  audio (`PlaybackTracker.on_clear`). NOTE: the Session cancels and truncates only a response that is
+  still generating; a finished one (generation runs faster than real time) may still be playing at
+  Twilio, so the endpoint truncates it itself to what was heard (`Session.truncate`).
+- `dtmf` is logged and given to `settings.listener`, which also sees every session event (transcripts,
+  call analytics: Twilio has no text channel). `stop` or a dropped socket ends the session: the running
+  response is aborted in every stage (`Session.close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from voice_server.session.core import Session, SessionConfig
+from voice_server.session.events import AudioDelta, ResponseDone, ResponseStarted, SessionEvent, SpeechStarted
+from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.twilio.auth import is_authorized
+from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
+from voice_server.session.twilio.messages import (
+    CLOSE_POLICY_VIOLATION,
+    TwilioDtmf,
+    TwilioMark,
+    TwilioMedia,
+    TwilioMessage,
+    TwilioProtocolError,
+    TwilioStart,
+    TwilioStop,
+)
+from voice_server.session.twilio.outbound import (
+    TwilioAudioEncoder,
+    build_clear_message,
+    build_mark_message,
+    build_media_message,
+)
+from voice_server.session.twilio.playback import PlaybackTracker
+from voice_server.session.twilio.stream import TwilioStreamGuard
+
+__all__ = ["CallListener", "TwilioSettings", "twilio_ws"]
+
+log = logging.getLogger(__name__)
+START_TIMEOUT_S = 10.0
+"""Twilio sends `connected` and `start` as soon as the socket opens; a socket without them is not Twilio."""
+INSTRUCTIONS_PARAMETER = "instructions"
+
+CallListener = Callable[[TwilioStart, "SessionEvent | TwilioDtmf"], None]
+"""Called on the server's loop with each session event and key press of a call; must not block."""
+
+
+@dataclass(frozen=True)
+class TwilioSettings:
+    token: str | None = None
+    """None: no authentication (any client that speaks the protocol gets a session)."""
+    instructions: str = ""
+    turn_detection: TurnDetectionConfig | None = TurnDetectionConfig()
+    params: tuple[tuple[str, Any], ...] = ()
+    """Request params of every response (e.g. sampling), as in `SessionConfig`."""
+    listener: CallListener | None = None
+
+    def __post_init__(self) -> None:
+        if self.token is not None and (not isinstance(self.token, str) or not self.token):
+            raise ValueError("twilio token: must be a non-empty string or None")
+
+    def session_config(self, start: TwilioStart) -> SessionConfig:
+        """The call's session config; ValueError for instructions `SessionConfig` refuses."""
+        instructions = start.custom_parameters.get(INSTRUCTIONS_PARAMETER, self.instructions)
+        return SessionConfig(input_rate=TWILIO_SAMPLE_RATE, output_rate=TWILIO_SAMPLE_RATE, instructions=instructions,
+                             turn_detection=self.turn_detection, params=self.params)
+
+
+class TwilioConnection:
+    """One Twilio stream: the guard's messages -> `Session`; its events -> frames (one sender at a time)."""
+
+    def __init__(self, websocket: WebSocket, settings: TwilioSettings) -> None:
+        self.websocket, self.settings = websocket, settings
+        self.guard = TwilioStreamGuard()
+        self.tracker = PlaybackTracker()
+        self.encoder = TwilioAudioEncoder(TWILIO_SAMPLE_RATE)
+        self.session: Session | None = None
+        self.is_open = True
+        self._send_lock = asyncio.Lock()
+        self._response_id: str | None = None
+        """The response running in the session (between `ResponseStarted` and `ResponseDone`)."""
+        self._last_item_id: str | None = None
+        """The assistant item whose audio was sent last (it may still be playing at Twilio)."""
+        self._cleared_response_id: str | None = None
+        """A response whose audio was cleared: what it still emits before the cancel lands is dropped."""
+        self._heard_at_clear_ms = 0
+        """How much of the current response the caller had heard when its audio was cleared."""
+
+    @property
+    def stream_sid(self) -> str:
+        sid = self.guard.stream_sid
+        assert sid is not None, "no frame is sent before start"
+        return sid
+
+    async def serve(self, coordinator: Any) -> None:
+        await self.websocket.accept()
+        try:
+            start = await asyncio.wait_for(self._receive_start(), START_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await self._close(CLOSE_POLICY_VIOLATION, "no start message")
+            return
+        if start is None:
+            return
+        if self.settings.token is not None and not is_authorized(start, self.settings.token):
+            log.warning("twilio stream %s: closing (1008): not authorized", start.stream_sid)
+            await self._close(CLOSE_POLICY_VIOLATION, "not authorized")
+            return
+        try:
+            config = self.settings.session_config(start)
+        except ValueError as exc:
+            await self._close(CLOSE_POLICY_VIOLATION, str(exc))
+            return
+        log.info("twilio stream %s: call %s started", start.stream_sid, start.call_sid)
+        self.session = Session(coordinator, config, self.emit)
+        try:
+            await self._receive_loop(self.session)
+        finally:
+            # NOTE: nothing more is sent once the call is over (not even the aborted reply's tail).
+            was_open, self.is_open = self.is_open, False
+            await self.session.close()
+            if was_open:  # NOTE: `stop`: a clean close; a dropped socket or a fatal frame closed already
+                await self._close(1000, "stream stopped")
+            log.info("twilio stream %s: ended", start.stream_sid)
+
+    async def _receive_start(self) -> TwilioStart | None:
+        """Frames up to `start` (`connected` before it is fine); None when the socket closed or was closed."""
+        while True:
+            message = await self._receive()
+            if message is None:
+                return None
+            if isinstance(message, TwilioStart):
+                return message
+
+    async def _receive(self) -> TwilioMessage | None:
+        """The next message the guard accepts; None when the socket ended (closed here on a fatal error)."""
+        while True:
+            try:
+                frame = await self.websocket.receive()
+            except WebSocketDisconnect:
+                frame = {"type": "websocket.disconnect"}
+            if frame["type"] == "websocket.disconnect":
+                self.is_open = False
+                return None
+            raw = frame.get("text")
+            message = self.guard.receive(raw if raw is not None else frame.get("bytes") or b"")
+            if not isinstance(message, TwilioProtocolError):
+                return message
+            if message.close_code is not None:
+                await self._close(message.close_code, message.reason)
+                return None
+
+    async def _receive_loop(self, session: Session) -> None:
+        while self.is_open:
+            message = await self._receive()
+            if message is None or isinstance(message, TwilioStop):
+                return
+            if isinstance(message, TwilioMedia):
+                await session.on_audio(message.pcm16())
+            elif isinstance(message, TwilioMark):
+                # NOTE: only an echo that moved the played position can change what was heard.
+                if self.tracker.on_mark(message.name):
+                    session.on_playback(int(self.tracker.audio_end_ms))
+            elif isinstance(message, TwilioDtmf):
+                # NOTE: not the digit: callers key in PINs and card numbers; the listener gets it.
+                log.info("twilio stream %s: a key was pressed", self.stream_sid)
+                self._notify(message)
+
+    # -- session events -> Twilio ----------------------------------------------------------------------
+
+    async def emit(self, event: SessionEvent) -> None:
+        self._notify(event)
+        if isinstance(event, SpeechStarted):
+            await self._on_speech_started()
+        elif isinstance(event, ResponseStarted):
+            self._response_id, self._last_item_id = event.response_id, event.item_id
+            self.tracker.start_response()
+            self.encoder.reset()
+            assert self.session is not None
+            # NOTE: nothing has played yet; without a report the Session would count all audio sent as heard.
+            self.session.on_playback(0)
+        elif isinstance(event, AudioDelta):
+            if event.response_id != self._cleared_response_id:
+                await self._send_audio(self.encoder.encode(event.pcm16), is_last=False)
+        elif isinstance(event, ResponseDone):
+            self._response_id = None
+            if event.response_id != self._cleared_response_id:
+                await self._send_audio(self.encoder.flush(), is_last=True)
+            elif event.status != "cancelled":
+                # NOTE: it ended on its own while the clear was being written, so the Session had no
+                # response left to barge in on: cut the item here.
+                await self._truncate(event.item_id, self._heard_at_clear_ms)
+
+    async def _on_speech_started(self) -> None:
+        session = self.session
+        assert session is not None
+        turns = session.config.turn_detection
+        is_running = self._response_id is not None
+        if turns is None or not turns.interrupt_response or not (is_running or self.tracker.queued_ms > 0):
+            return
+        # NOTE: before any await: the response may emit audio while the clear is being written.
+        self._cleared_response_id = self._response_id
+        self.encoder.reset()
+        self._heard_at_clear_ms = int(self.tracker.on_clear())
+        await self._send([build_clear_message(self.stream_sid)])
+        if not is_running and self._last_item_id is not None:
+            # NOTE: generation had finished (faster than real time) but its audio was still playing:
+            # the Session no longer barges in on it, so the endpoint cuts the item to what was heard.
+            await self._truncate(self._last_item_id, self._heard_at_clear_ms)
+
+    async def _truncate(self, item_id: str, heard_ms: int) -> None:
+        assert self.session is not None
+        self._last_item_id = None
+        try:
+            await self.session.truncate(item_id, heard_ms)
+        except ValueError as exc:  # NOTE: the item left the history (a very long call)
+            log.info("twilio stream %s: not truncated: %s", self.stream_sid, exc)
+
+    async def _send_audio(self, frames: list[bytes], *, is_last: bool) -> None:
+        messages = []
+        for payload in frames:
+            messages.append(build_media_message(self.stream_sid, payload))
+            name = self.tracker.on_media_sent(len(payload))
+            if name is not None:
+                messages.append(build_mark_message(self.stream_sid, name))
+        if is_last and (name := self.tracker.mark_now()) is not None:
+            messages.append(build_mark_message(self.stream_sid, name))
+        await self._send(messages)
+
+    async def _send(self, messages: list[str]) -> None:
+        if not self.is_open or not messages:
+            return
+        try:
+            async with self._send_lock:
+                for text in messages:
+                    await self.websocket.send_text(text)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.is_open = False  # NOTE: the caller is gone; the receive loop ends the session
+
+    def _notify(self, event: SessionEvent | TwilioDtmf) -> None:
+        listener, start = self.settings.listener, self.guard.start
+        if listener is None or start is None:
+            return
+        try:
+            listener(start, event)
+        except Exception:  # NOTE: an observer's bug must not end the call
+            log.exception("twilio stream %s: the call listener failed", start.stream_sid)
+
+    async def _close(self, code: int, reason: str) -> None:
+        self.is_open = False
+        with contextlib.suppress(RuntimeError, OSError):  # NOTE: the client may have closed first
+            await self.websocket.close(code, reason=reason[:120])
+
+
+async def twilio_ws(websocket: WebSocket) -> None:
+    settings = getattr(websocket.app.state, "twilio", None) or TwilioSettings()
+    await TwilioConnection(websocket, settings).serve(websocket.app.state.coordinator)
+
