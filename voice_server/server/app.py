@@ -4,8 +4,9 @@
 port listens and stops them after the server has closed its connections, so a stop signal is
 handled at any point instead of after start-up.
 
-Routes: `GET /health` (200 only when every stage process is ready) and `WS /ws`, the native voice
-protocol (`voice_server/session/native.py`). `/v1/realtime` and `/twilio/media` are to come.
+Routes: `GET /health` (200 only when every stage process is ready), `WS /ws`, the native voice
+protocol (`voice_server/session/native.py`), and `WS /v1/realtime`, the OpenAI Realtime protocol
+(`voice_server/session/realtime/endpoint.py`). `/twilio/media` is to come.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from starlette.routing import Route, WebSocketRoute
 
 from voice_server.engine.coordinator import Coordinator
 from voice_server.session.native import native_ws
+from voice_server.session.realtime.endpoint import realtime_ws
 
 
 async def health(request: Request) -> JSONResponse:
@@ -25,6 +27,7 @@ async def health(request: Request) -> JSONResponse:
 
 
 def create_app(coordinator: Coordinator) -> Starlette:
-    app = Starlette(routes=[Route("/health", health), WebSocketRoute("/ws", native_ws)])
+    app = Starlette(routes=[Route("/health", health), WebSocketRoute("/ws", native_ws),
+                              WebSocketRoute("/v1/realtime", realtime_ws)])
     app.state.coordinator = coordinator
     return app
