@@ -66,7 +66,7 @@ class RealtimeClient:
     def until(self, kind: str, timeout: float = 10.0) -> list[dict[str, Any]]:
         """Events up to and including the first of `kind`."""
         deadline = time.monotonic() + timeout
-        events = []
+        events: list[dict[str, Any]] = []
         while not events or events[-1]["type"] != kind:
             events.append(self.next(max(0.01, deadline - time.monotonic())))
         return events

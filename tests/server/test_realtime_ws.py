@@ -146,7 +146,7 @@ def _bad(event_type: str, **fields: object) -> str:
     return json.dumps({"type": event_type, "event_id": "evt_bad", **fields})
 
 
-MALFORMED = [
+MALFORMED: list[tuple[str | bytes, str, str | None]] = [
     ("{not json", "invalid_json", None),
     (json.dumps([1, 2]), "invalid_event", None),
     (json.dumps({"type": "dance"}), "invalid_value", "type"),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -59,7 +58,6 @@ from voice_server.session.realtime.events import (
 )
 from voice_server.session.realtime.session_config import DEFAULT_SESSION
 
-log = logging.getLogger(__name__)
 SUBPROTOCOLS = ("realtime", "openai-beta.realtime-v1")
 """Offered subprotocols the server may pick, in order of preference (never the one carrying a key)."""
 CLOSE_POLICY = 1008
