@@ -1,8 +1,9 @@
-"""`Server`: a real uvicorn server on 127.0.0.1 over real stage processes running the stand-in speech
-stage (`tests/speech_stages.py`), for the session endpoint tests (`/ws`, `/twilio/media`).
+"""`SessionServer`: a real uvicorn server on 127.0.0.1 serving the app over real stage processes that run
+the stand-in speech stage (`tests/speech_stages.py`), for the session endpoint tests (`/ws`,
+`/v1/realtime`, `/twilio/media`).
 
-uvicorn runs in this process on the coordinator's loop, so a test can read the stages' counters and
-the app's state (`server.app`) while its clients talk to the port.
+uvicorn runs in this process, on the coordinator's loop, so a test can read the stages' counters
+(e.g. that a vanished client's request left the stage).
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
-from harness import Pipeline
+from harness import Pipeline, shm_segments
 
 from voice_server.config import pipeline_from_dict
 from voice_server.server.app import create_app
@@ -21,7 +23,7 @@ from voice_server.server.app import create_app
 STEP_DELAY_MS = 30  # NOTE: each step streams 80 ms of audio: faster than real time, slow enough to interrupt
 
 
-class Server:
+class SessionServer:
     def __init__(self) -> None:
         self.pipeline = Pipeline(pipeline_from_dict({"name": "speech-test", "stages": [{
             "name": "speech", "factory": "speech_stages:create_fake_speech", "scheduler": "ar", "terminal": True,
@@ -39,14 +41,30 @@ class Server:
             assert time.monotonic() < deadline and not self.task.done(), "uvicorn did not start"
             time.sleep(0.02)
 
-    @property
-    def app(self) -> Any:
-        return self.server.config.app
-
     def counters(self) -> dict[str, int]:
         return self.pipeline.run(self.pipeline.coordinator.stats())["speech"].counters["speech"]
+
+    @property
+    def app(self) -> Any:
+        """The served app (its state holds endpoint settings, e.g. `app.state.twilio`)."""
+        return self.server.config.app
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        """Until no request runs in the stage and its KV pages are all free."""
+        deadline = time.monotonic() + timeout
+        while (stats := self.counters())["num_running"] or stats["num_used_pages"]:
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.server.should_exit = True
         self.task.result(10)
         self.pipeline.close()
+
+
+def serve() -> Iterator[SessionServer]:
+    """The body of a module-scoped fixture: one server per test module, checked for leaks at the end."""
+    srv = SessionServer()
+    yield srv
+    srv.close()
+    assert shm_segments(srv.pipeline.coordinator.launch_id) == []

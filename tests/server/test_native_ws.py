@@ -1,20 +1,18 @@
-"""`WS /ws` end to end: a real uvicorn server on 127.0.0.1 (`session_server.Server`: in this process,
-on the coordinator's loop, so the test can read the stages' counters), real stage processes running a
-stand-in speech stage (`tests/speech_stages.py`), and real WebSocket clients streaming speech-like
-audio at real-time pace: turn detection, responses with audio, history across turns, barge-in,
-cancellation, bad input, and a client that vanishes mid-response."""
+"""`WS /ws` end to end: a real uvicorn server on 127.0.0.1 (`session_server`: in this process, on the
+coordinator's loop, so the test can read the stages' counters), real stage processes running a stand-in
+speech stage (`tests/speech_stages.py`), and real WebSocket clients streaming speech-like audio at real-time
+pace: turn detection, responses with audio, history across turns, barge-in, cancellation, bad input,
+and a client that vanishes mid-response."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from harness import shm_segments
-from session_server import Server
+from session_server import SessionServer
 from speech_signals import signal_of
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
@@ -25,15 +23,7 @@ RATE = 16000
 CHUNK_MS = 20
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server()
-    yield srv
-    srv.close()
-    assert shm_segments(srv.pipeline.coordinator.launch_id) == []
-
-
-def open_session(server: Server, **start: Any) -> ClientConnection:
+def open_session(server: SessionServer, **start: Any) -> ClientConnection:
     ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
     ws.send(json.dumps({"type": "session.start", "input_rate": RATE, "output_rate": 24000,
                         "params": {"sampling": {"max_tokens": 12}}, **start}))
@@ -69,7 +59,7 @@ def events_until(ws: ClientConnection, kind: str, timeout: float = 10.0) -> tupl
             return events, num_audio_bytes
 
 
-def test_a_spoken_turn_gets_a_spoken_reply_and_the_next_turn_sees_it(server: Server) -> None:
+def test_a_spoken_turn_gets_a_spoken_reply_and_the_next_turn_sees_it(server: SessionServer) -> None:
     ws = open_session(server)
     stream_audio(ws, signal_of(RATE, ("noise", 300), ("voice", 900), ("noise", 700)), pace=4.0)
     events, audio = events_until(ws, "response_done")
@@ -89,7 +79,7 @@ def test_a_spoken_turn_gets_a_spoken_reply_and_the_next_turn_sees_it(server: Ser
     ws.close()
 
 
-def test_barge_in_stops_the_audio_and_keeps_only_what_was_played(server: Server) -> None:
+def test_barge_in_stops_the_audio_and_keeps_only_what_was_played(server: SessionServer) -> None:
     ws = open_session(server, params={"sampling": {"max_tokens": 200}})
     ws.send(json.dumps({"type": "text", "text": "tell me a long story"}))
     events, audio = events_until(ws, "response_started")
@@ -119,7 +109,7 @@ def test_barge_in_stops_the_audio_and_keeps_only_what_was_played(server: Server)
     ws.close()
 
 
-def test_cancel_and_bad_messages_get_events_and_the_session_goes_on(server: Server) -> None:
+def test_cancel_and_bad_messages_get_events_and_the_session_goes_on(server: SessionServer) -> None:
     ws = open_session(server, turn_detection=None)
     for bad, code in (("{not json", "invalid_json"), (json.dumps({"type": "dance"}), "unknown_event"),
                       (json.dumps({"type": "playback", "played_ms": -3}), "invalid_value"),
@@ -142,7 +132,7 @@ def test_cancel_and_bad_messages_get_events_and_the_session_goes_on(server: Serv
 
 @pytest.mark.parametrize("first", ["hello", json.dumps({"type": "session.start", "input_rate": 11025}),
                                    json.dumps({"type": "session.start", "turn_detection": {"threshold": 5}})])
-def test_a_bad_first_message_closes_with_1008(server: Server, first: str) -> None:
+def test_a_bad_first_message_closes_with_1008(server: SessionServer, first: str) -> None:
     ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
     ws.send(first)
     with pytest.raises(ConnectionClosed) as info:
@@ -150,7 +140,7 @@ def test_a_bad_first_message_closes_with_1008(server: Server, first: str) -> Non
     assert info.value.rcvd is not None and info.value.rcvd.code == 1008
 
 
-def test_an_oversize_frame_closes_with_1009(server: Server) -> None:
+def test_an_oversize_frame_closes_with_1009(server: SessionServer) -> None:
     ws = open_session(server)
     ws.send(b"\x00" * (2 << 20))
     with pytest.raises(ConnectionClosed) as info:
@@ -158,13 +148,10 @@ def test_an_oversize_frame_closes_with_1009(server: Server) -> None:
     assert info.value.rcvd is not None and info.value.rcvd.code == 1009
 
 
-def test_a_client_that_vanishes_mid_response_frees_the_stage(server: Server) -> None:
+def test_a_client_that_vanishes_mid_response_frees_the_stage(server: SessionServer) -> None:
     ws = open_session(server, params={"sampling": {"max_tokens": 400}})
     ws.send(json.dumps({"type": "text", "text": "go on forever"}))
     events_until(ws, "response_started")
     ws.recv(5)
     ws.socket.close()  # NOTE: no close frame: the TCP connection just ends
-    deadline = time.monotonic() + 10
-    while (stats := server.counters())["num_running"] or stats["num_used_pages"]:
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.05)
+    server.wait_idle()

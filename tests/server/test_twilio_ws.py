@@ -1,4 +1,4 @@
-"""`WS /twilio/media` end to end: a real uvicorn server (`session_server.Server`) over the stand-in speech
+"""`WS /twilio/media` end to end: a real uvicorn server (`session_server.SessionServer`) over the stand-in speech
 stage, and `twilio_phone.Phone`s that speak Twilio's wire format at real-time pace and play the reply
 like a phone (marks echoed as their audio plays). What the server's session did is read through the
 endpoint's call listener (`TwilioSettings.listener`), called on the server's loop in this process, so
@@ -9,13 +9,11 @@ from __future__ import annotations
 import json
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from harness import shm_segments
-from session_server import Server
+from session_server import SessionServer
 from speech_signals import signal_of
 from twilio_phone import Phone, ulaw_of
 
@@ -42,34 +40,26 @@ class Calls:
         return [(at, e) for at, e in list(self.events[phone.call_sid]) if isinstance(e, kind)]
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    srv = Server()
-    yield srv
-    srv.close()
-    assert shm_segments(srv.pipeline.coordinator.launch_id) == []
-
-
 @pytest.fixture
-def calls(server: Server) -> Calls:
+def calls(server: SessionServer) -> Calls:
     calls = Calls()
     configure(server, calls)
     return calls
 
 
-def configure(server: Server, calls: Calls, max_tokens: int = 12, token: str | None = None) -> None:
+def configure(server: SessionServer, calls: Calls, max_tokens: int = 12, token: str | None = None) -> None:
     server.app.state.twilio = TwilioSettings(token=token, listener=calls,
                                              params=(("sampling", {"max_tokens": max_tokens}),))
 
 
-def wait_until_free(server: Server) -> None:
+def wait_until_free(server: SessionServer) -> None:
     deadline = time.monotonic() + 10
     while (stats := server.counters())["num_running"] or stats["num_used_pages"]:
         assert time.monotonic() < deadline, stats
         time.sleep(0.05)
 
 
-def test_a_spoken_turn_gets_audio_and_marks_back(server: Server, calls: Calls) -> None:
+def test_a_spoken_turn_gets_audio_and_marks_back(server: SessionServer, calls: Calls) -> None:
     configure(server, calls, token="s3cret")
     phone = Phone(server.port)
     phone.start(authorization="Bearer s3cret", instructions="be brief")
@@ -95,7 +85,7 @@ def test_a_spoken_turn_gets_audio_and_marks_back(server: Server, calls: Calls) -
 
 @pytest.mark.parametrize("custom", [{}, {"token": "wrong"}, {"authorization": "Bearer s3cre"},
                                     {"token": "s3cret", "authorization": "Bearer s3cret"}])
-def test_a_call_without_the_right_token_is_closed_with_1008(server: Server, calls: Calls,
+def test_a_call_without_the_right_token_is_closed_with_1008(server: SessionServer, calls: Calls,
                                                              custom: dict[str, str]) -> None:
     configure(server, calls, token="s3cret")
     phone = Phone(server.port)
@@ -107,7 +97,7 @@ def test_a_call_without_the_right_token_is_closed_with_1008(server: Server, call
 @pytest.mark.parametrize(("max_tokens", "barge_at_ms", "is_generating"), [(200, 600, True), (24, 1400, False)],
                          ids=["while-generating", "after-generation"])
 def test_speaking_over_the_reply_clears_it_and_keeps_only_what_was_played(
-        server: Server, calls: Calls, max_tokens: int, barge_at_ms: int, is_generating: bool) -> None:
+        server: SessionServer, calls: Calls, max_tokens: int, barge_at_ms: int, is_generating: bool) -> None:
     configure(server, calls, max_tokens=max_tokens)
     phone = Phone(server.port)
     phone.start()
@@ -148,7 +138,7 @@ def test_speaking_over_the_reply_clears_it_and_keeps_only_what_was_played(
 
 
 def test_malformed_input_closes_with_the_guards_codes_while_another_call_goes_on(
-        server: Server, calls: Calls) -> None:
+        server: SessionServer, calls: Calls) -> None:
     good = Phone(server.port, "good")
     good.start()
     media = {"track": "inbound", "chunk": "1", "timestamp": "0", "payload": "f39/"}
@@ -173,7 +163,7 @@ def test_malformed_input_closes_with_the_guards_codes_while_another_call_goes_on
 
 
 @pytest.mark.parametrize("how", ["stop", "socket dropped"])
-def test_a_caller_who_hangs_up_mid_reply_frees_the_stage(server: Server, calls: Calls, how: str) -> None:
+def test_a_caller_who_hangs_up_mid_reply_frees_the_stage(server: SessionServer, calls: Calls, how: str) -> None:
     configure(server, calls, max_tokens=400)
     phone = Phone(server.port)
     phone.start()

@@ -110,8 +110,11 @@ class Session:
         if self.detector is not None:
             self.detector.reset()
 
-    async def add_text(self, text: str, role: str = "user") -> Item:
-        item = self.conversation.add(Item(new_id("item"), role, text))
+    async def add_text(self, text: str, role: str = "user", item_id: str | None = None) -> Item:
+        """A typed item (`item_id`: the client's own id, if it names one) at the end of the conversation."""
+        if item_id is not None and self.conversation.get(item_id) is not None:
+            raise ValueError(f"item_id: an item {item_id!r} exists already")
+        item = self.conversation.add(Item(item_id or new_id("item"), role, text))
         await self.emit(InputCommitted(item.item_id, 0, text))
         return item
 
@@ -166,12 +169,18 @@ class Session:
     def _is_responding(self) -> bool:
         return self._response is not None and not self._response.done()
 
-    async def create_response(self, params: dict[str, Any] | None = None) -> str:
+    def is_responding(self) -> bool:
+        return self._is_responding()
+
+    async def create_response(self, params: dict[str, Any] | None = None, instructions: str | None = None) -> str:
+        """Start a response (`params` over the session's; `instructions` in place of the session's, for
+        this response only)."""
         if self._is_responding():
             await self.cancel_response()
         response_id = new_id("resp")
         item = self.conversation.add(Item(new_id("item"), "assistant", status="in_progress"))
-        payload = {"messages": self.conversation.to_messages(self.config.instructions)}
+        payload = {"messages": self.conversation.to_messages(
+            self.config.instructions if instructions is None else instructions)}
         # NOTE: the new item is in the conversation (it is the reply) but not in the payload: empty.
         run = ResponseRun(response_id, item, self.config.output_rate, self.emit)
         self._run, self.played_ms = run, None
@@ -184,7 +193,8 @@ class Session:
         error = await run.run(self.coordinator.submit, payload, params)
         run.item.status = "incomplete" if error else "completed"
         await self.emit(ResponseDone(run.response_id, run.item.item_id, "failed" if error else "completed",
-                                     run.item.text, run.item.num_audio_ms, dict(run.timings_ms), error))
+                                     run.item.text, run.item.num_audio_ms, dict(run.timings_ms), error,
+                                     dict(run.usage)))
 
     async def cancel_response(self) -> bool:
         """Stop the running response where it is (audio sent so far stays sent); False if none runs."""
@@ -219,7 +229,7 @@ class Session:
 
     async def _done(self, run: ResponseRun, status: str) -> None:
         await self.emit(ResponseDone(run.response_id, run.item.item_id, status, run.item.text,
-                                     run.item.num_audio_ms, dict(run.timings_ms)))
+                                     run.item.num_audio_ms, dict(run.timings_ms), usage=dict(run.usage)))
 
     async def close(self) -> None:
         """The connection ended: abort whatever runs (the request leaves every stage)."""

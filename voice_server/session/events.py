@@ -65,6 +65,8 @@ class ResponseDone:
     timings_ms: dict[str, float] = field(default_factory=dict)
     """Each stage's first output after submit (`submit` excluded), and `first_audio_sent` at the session."""
     error: str = ""
+    usage: dict[str, int] = field(default_factory=dict)
+    """Token counts the pipeline reported, as far as it did (`ResponseRun.usage`)."""
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,9 @@ class ResponseRun:
     def __init__(self, response_id: str, item: Item, output_rate: int, emit: Emit) -> None:
         self.response_id, self.item, self.output_rate, self.emit = response_id, item, output_rate, emit
         self.timings_ms: dict[str, float] = {}
+        self.usage: dict[str, int] = {}
+        """`num_prompt_tokens`, `num_cached_tokens`, `num_output_tokens`, from the final outputs that carry them,
+        else output tokens counted as text deltas (one per step in the AR stages)."""
         self.submitted_at = 0.0
         self.first_audio_at: float | None = None
         self.num_samples = 0
@@ -63,9 +66,12 @@ class ResponseRun:
                 if stage != "submit":
                     self.timings_ms.setdefault(stage, round(1000.0 * (at - submitted), 3))
         if output.is_final:
+            self._count_tokens(output.payload)
             return
         text = output.payload.get("text")
         if isinstance(text, str) and text:
+            if "num_prompt_tokens" not in self.usage:
+                self.usage["num_output_tokens"] = self.usage.get("num_output_tokens", 0) + 1
             self.item.text += text
             await self.emit(TextDelta(self.response_id, self.item.item_id, text))
         pcm = output.payload.get("pcm")
@@ -73,6 +79,16 @@ class ResponseRun:
             rate = int(output.payload.get("sample_rate", self.output_rate))
             samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
             await self._send_audio(self._resample(samples, rate))
+
+    def _count_tokens(self, payload: dict[str, Any]) -> None:
+        # NOTE: the first final with counts wins: in a multi-stage pipeline that is the text stage's
+        # (a vocoder's final carries none), and its counts replace the per-delta estimate.
+        prompt, token_ids = payload.get("num_prompt_tokens"), payload.get("token_ids")
+        if "num_prompt_tokens" in self.usage or not isinstance(prompt, int) or not isinstance(token_ids, list):
+            return
+        cached = payload.get("num_cached_tokens")
+        self.usage = {"num_prompt_tokens": prompt, "num_cached_tokens": cached if isinstance(cached, int) else 0,
+                      "num_output_tokens": len(token_ids)}
 
     def _resample(self, samples: np.ndarray, rate: int) -> np.ndarray:
         if rate == self.output_rate:

@@ -28,6 +28,21 @@ code                           origin  when
 ``invalid_base64``             ours    ``audio`` that is not strict base64
 ``audio_too_large``            ours    one ``input_audio_buffer.append`` over 15 MiB of audio
 =============================  ======  ==============================================================
+
+Errors of the session state (raised by the endpoint, ``endpoint``/``bridge``, not by the parsers):
+
+=========================================  ======  ===================================================
+code                                       origin  when
+=========================================  ======  ===================================================
+``input_audio_too_fast``                   ours    appended audio runs ahead of 2x real time (the
+                                                   append is dropped)
+``input_audio_buffer_commit_empty``        OpenAI  a commit with no audio buffered
+``conversation_already_has_active_response`` OpenAI  ``response.create`` while a response runs
+``response_cancel_not_active``             OpenAI  ``response.cancel`` with no (such) response running
+=========================================  ======  ===================================================
+
+An unknown ``item_id`` (truncate, delete, ``previous_item_id``) and an ``audio_end_ms`` past the audio
+sent are ``invalid_value`` with that ``param``.
 """
 
 from __future__ import annotations
@@ -50,10 +65,15 @@ UNKNOWN_PARAMETER = "unknown_parameter"
 UNSUPPORTED = "unsupported"
 INVALID_BASE64 = "invalid_base64"
 AUDIO_TOO_LARGE = "audio_too_large"
+INPUT_AUDIO_TOO_FAST = "input_audio_too_fast"
+COMMIT_EMPTY = "input_audio_buffer_commit_empty"
+ACTIVE_RESPONSE = "conversation_already_has_active_response"
+CANCEL_NOT_ACTIVE = "response_cancel_not_active"
 
 ERROR_CODES = frozenset({
     INVALID_JSON, INVALID_EVENT, BINARY_FRAME, EVENT_TOO_LARGE, MISSING_REQUIRED_PARAMETER, INVALID_TYPE,
-    INVALID_VALUE, UNKNOWN_PARAMETER, UNSUPPORTED, INVALID_BASE64, AUDIO_TOO_LARGE,
+    INVALID_VALUE, UNKNOWN_PARAMETER, UNSUPPORTED, INVALID_BASE64, AUDIO_TOO_LARGE, INPUT_AUDIO_TOO_FAST,
+    COMMIT_EMPTY, ACTIVE_RESPONSE, CANCEL_NOT_ACTIVE,
 })
 ERROR_TYPES = frozenset({"invalid_request_error", "server_error"})
 
