@@ -18,6 +18,7 @@ import socket
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
@@ -25,7 +26,7 @@ from starlette.routing import Route, WebSocketRoute
 from voice_server.engine.coordinator import Coordinator
 from voice_server.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from voice_server.server.session_limits import SessionLimits
-from voice_server.server.sessions import SessionGate
+from voice_server.server.sessions import AbortHandleMiddleware, SessionGate
 from voice_server.session.native import native_ws
 
 
@@ -39,7 +40,8 @@ async def metrics(request: Request) -> Response:
 
 
 def create_app(coordinator: Coordinator, limits: SessionLimits | None = None) -> Starlette:
-    app = Starlette(routes=[Route("/health", health), Route("/metrics", metrics), WebSocketRoute("/ws", native_ws)])
+    routes = [Route("/health", health), Route("/metrics", metrics), WebSocketRoute("/ws", native_ws)]
+    app = Starlette(routes=routes, middleware=[Middleware(AbortHandleMiddleware)])
     app.state.coordinator = coordinator
     app.state.metrics = Metrics()
     app.state.sessions = SessionGate(limits or SessionLimits(), app.state.metrics, lambda: coordinator.is_ready)

@@ -176,16 +176,34 @@ class SessionGuard:
                     await asyncio.wait_for(self.websocket.close(CLOSE_NORMAL), _CLOSE_WAIT_S)
 
 
-def _abort_transport(websocket: WebSocket) -> None:
-    """Drop the TCP connection at once (unsent data discarded).
+ABORT_SCOPE_KEY = "voice_server.abort"
 
-    NOTE: ASGI has no abort, and a close waits for the send buffer to drain, which a client that
-    stopped reading never lets happen (the descriptor would be held forever). uvicorn's WebSocket
-    protocols hand the app their bound `send`; its owner holds the transport.
+
+class AbortHandleMiddleware:
+    """ASGI middleware that puts a WebSocket connection's `abort` (drop the TCP connection) into its
+    scope under `ABORT_SCOPE_KEY`, for `SessionGuard` to drop a client that stopped reading.
+
+    NOTE: ASGI has no abort, and a close waits for the send buffer to drain, which a client that stopped
+    reading never lets happen (its descriptor would be held forever). uvicorn hands the app its
+    protocol's bound `send`, whose owner holds the transport; further in, starlette wraps `send` in
+    closures, so it is looked up here, outermost (this must be the app's first middleware).
     """
-    protocol = getattr(websocket._send, "__self__", None)
-    transport = getattr(protocol, "transport", None)
-    if transport is not None and hasattr(transport, "abort"):
-        transport.abort()
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket":
+            transport = getattr(getattr(send, "__self__", None), "transport", None)
+            if transport is not None and hasattr(transport, "abort"):
+                scope[ABORT_SCOPE_KEY] = transport.abort
+        await self.app(scope, receive, send)
+
+
+def _abort_transport(websocket: WebSocket) -> None:
+    """Drop the TCP connection at once (unsent data discarded)."""
+    abort = websocket.scope.get(ABORT_SCOPE_KEY)
+    if abort is not None:
+        abort()
     else:
-        log.warning("cannot drop a WebSocket connection: no transport behind the ASGI send")
+        log.warning("cannot drop a WebSocket connection: no abort handle in its scope (AbortHandleMiddleware)")
