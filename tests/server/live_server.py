@@ -53,11 +53,15 @@ class LiveServer:
     def ws_url(self) -> str:
         return f"ws://127.0.0.1:{self.port}/ws"
 
-    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        """GET /metrics, parsed: (sample name, sorted labels) -> value."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
-            assert resp.status == 200 and resp.headers["content-type"].startswith("text/plain")
-            text = resp.read().decode()
+    def metrics(self, is_served: bool = True) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """GET /metrics (or, once the server has stopped, the app's registry), parsed: (sample name,
+        sorted labels) -> value."""
+        if not is_served:
+            text = self.app.state.metrics.render().decode()
+        else:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=5) as resp:
+                assert resp.status == 200 and resp.headers["content-type"].startswith("text/plain")
+                text = resp.read().decode()
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for family in text_string_to_metric_families(text) for s in family.samples}
 

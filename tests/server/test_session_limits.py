@@ -152,6 +152,10 @@ def test_shutdown_closes_open_sessions_with_1001_and_frees_the_stage(serve: Any,
     for ws in (idle, talking):
         assert close_code(ws, timeout=10) == (1001, "server shutting down")
     srv.task.result(15)
+    samples = srv.metrics(is_served=False)
+    assert metric(samples, "voice_server_responses_total", status="cancelled") == 1
+    assert metric(samples, "voice_server_sessions_dropped_total", endpoint="native", reason="shutdown") == 2
+    assert metric(samples, "voice_server_active_sessions", endpoint="native") == 0
     counters = pipeline.run(pipeline.coordinator.stats())["speech"].counters["speech"]
     deadline = time.monotonic() + 10
     while counters["num_running"] or counters["num_used_pages"]:  # the response was aborted in the stage

@@ -109,6 +109,8 @@ class NativeConnection:
 
     async def emit(self, event: SessionEvent) -> None:
         if not self.is_open:
+            if isinstance(event, ResponseDone):
+                self.metrics.observe(event)  # NOTE: a response the disconnect cancelled still counts
             return
         async with self._send_lock:
             if isinstance(event, AudioDelta):
