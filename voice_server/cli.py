@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Any
 
@@ -70,22 +71,42 @@ def load_for_launch(path: str) -> PipelineConfig | None:
     return cfg
 
 
-def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any]) -> int:
+AUTH_TOKEN_ENV = "VOICE_SERVER_AUTH_TOKEN"
+
+
+def read_auth_token(path: str | None) -> str | None:
+    """The token from `--auth-token-file` (first line), else from $VOICE_SERVER_AUTH_TOKEN, else None.
+
+    NOTE: never a flag value: a command line is readable by every user of the host (/proc/PID/cmdline).
+    """
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--auth-token-file: cannot read {path}: {exc}") from exc
+    return os.environ.get(AUTH_TOKEN_ENV) or None
+
+
+def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any],
+          sessions: dict[str, Any] | None = None) -> int:
     """Exit 0 after SIGTERM/SIGINT (at any point, start-up included), 2 on a config or start-up error."""
     cfg = load_for_launch(path)
     if cfg is None:
         return 2
     from voice_server.server.http import HttpLimits, raise_nofile_limit
     from voice_server.server.runner import ServeOptions, configure_logging, run_server
+    from voice_server.server.session_limits import SessionLimits
 
     configure_logging(log_level)
     raise_nofile_limit()  # NOTE: before HttpLimits, whose default max_connections derives from it
     try:
         http_limits = HttpLimits(**{k: v for k, v in limits.items() if v is not None})
+        session_limits = SessionLimits(**(sessions or {}))
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    return run_server(cfg, ServeOptions(host, port, log_level, http_limits))
+    return run_server(cfg, ServeOptions(host, port, log_level, http_limits, session_limits))
 
 
 def ask(path: str, question: str, system: str | None, max_tokens: int | None, log_level: str) -> int:
@@ -112,6 +133,57 @@ def _positive_float(text: str) -> float:
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
     return value
+
+
+def _seconds_or_off(text: str) -> float:
+    """A number of seconds > 0, or 0 for off (returned as 0.0)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0 (0: off), got {text}")
+    return value
+
+
+def _add_session_flags(p_serve: argparse.ArgumentParser) -> None:
+    p_serve.add_argument(
+        "--auth-token-file", default=None, metavar="FILE",
+        help=f"require this bearer token (the file's first line; else ${AUTH_TOKEN_ENV} if set) on every WebSocket "
+        "session: header 'Authorization: Bearer TOKEN' or subprotocol 'openai-insecure-api-key.TOKEN' (default: none)",
+    )
+    p_serve.add_argument(
+        "--allowed-origin", action="append", default=None, metavar="ORIGIN",
+        help="a browser origin (scheme://host[:port]) allowed to open sessions; repeat for several; a handshake "
+        "without Origin is always allowed (default: any origin)",
+    )
+    p_serve.add_argument(
+        "--max-sessions", type=_positive_int, default=None,
+        help="WebSocket sessions open at once; one more is closed with 1013 (default: no limit but --max-connections)",
+    )
+    p_serve.add_argument(
+        "--max-message-bytes", type=_positive_int, default=None,
+        help="largest WebSocket message a client may send; larger closes with 1009 (default: 1048576)",
+    )
+    p_serve.add_argument(
+        "--idle-timeout", type=_seconds_or_off, default=None, metavar="SECONDS",
+        help="close a session (1000) that sent nothing for this long; 0: never (default: 300)",
+    )
+    p_serve.add_argument(
+        "--send-timeout", type=_positive_float, default=None, metavar="SECONDS",
+        help="drop a client that reads nothing for this long while the server has data for it (default: 10)",
+    )
+
+
+def _session_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """`SessionLimits` fields of the flags given (absent flags keep the defaults)."""
+    given = {
+        "auth_token": read_auth_token(args.auth_token_file),
+        "allowed_origins": tuple(args.allowed_origin) if args.allowed_origin else None,
+        "max_sessions": args.max_sessions, "max_message_bytes": args.max_message_bytes,
+        "idle_timeout_s": args.idle_timeout, "send_timeout_s": args.send_timeout,
+    }
+    sessions = {k: v for k, v in given.items() if v is not None}
+    if args.idle_timeout == 0:
+        sessions["idle_timeout_s"] = None  # NOTE: 0 on the command line is off
+    return sessions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         "--backlog", type=_positive_int, default=None,
         help="TCP listen backlog (default: an eighth of the descriptor limit, at most 2048)",
     )
+    _add_session_flags(p_serve)
     p_ask = sub.add_parser("ask", help="start a text pipeline, ask one question, stream the reply, stop")
     p_ask.add_argument("question")
     p_ask.add_argument("--config", default="configs/llm-cpu.yaml")
@@ -160,7 +233,12 @@ def main(argv: list[str] | None = None) -> int:
             "max_connections": args.max_connections, "request_head_timeout_s": args.request_head_timeout,
             "keep_alive_timeout_s": args.keep_alive_timeout, "backlog": args.backlog,
         }
-        return serve(args.config, args.host, args.port, args.log_level, limits)
+        try:
+            sessions = _session_limits(args)
+        except ValueError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            return 2
+        return serve(args.config, args.host, args.port, args.log_level, limits, sessions)
     if args.command == "ask":
         return ask(args.config, args.question, args.system, args.max_tokens, args.log_level)
     return check_config(args.config, show_traceback=args.traceback, is_device_check=not args.skip_device_check)

@@ -1,22 +1,29 @@
-"""`serve` start-up against real processes: a stop signal while a stage loads ends it within about
-a second with nothing left behind, and a failed start-up is one paragraph on stderr with exit 2."""
+"""`serve` start-up against real processes: the port opens before the stages load (`/health` 503 with
+each stage's progress, sessions closed with 1013), a stop signal while a stage loads ends it within
+about a second with nothing left behind, and a failed start-up is one paragraph on stderr with exit 2."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import children_of, wait_gone
-from serving import ServerProcess  # noqa: E402
+from serving import ServerProcess, health_status  # noqa: E402
 
 ServeProcess = Callable[..., ServerProcess]
 _RECORD_START = re.compile(r"^(\d{4}-\d\d-\d\d |start-up error: |config error: )")
@@ -48,6 +55,61 @@ def server_records(stderr: str, child: str) -> str:
         else:
             records[-1].append(line)
     return "\n".join("\n".join(r) for r in records if f"[{child}]" not in r[0])
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return int(resp.status), resp.read()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read()
+
+
+def session_refusal(port: int) -> tuple[int, str] | None:
+    """The close code and reason of a `/ws` session refused at once; None if it was admitted."""
+    ws = connect(f"ws://127.0.0.1:{port}/ws", open_timeout=5)
+    try:
+        ws.send(json.dumps({"type": "session.start"}))  # NOTE: a refusal may already have closed it
+        ws.recv(5)
+    except ConnectionClosed as exc:
+        assert exc.rcvd is not None
+        return exc.rcvd.code, exc.rcvd.reason
+    ws.close()
+    return None
+
+
+def test_the_port_opens_first_and_health_shows_progress_while_a_stage_loads(
+    serve_process: ServeProcess, tmp_path: Path
+) -> None:
+    launched = time.monotonic()
+    server = serve_process(config=write_config(tmp_path, "slow_factory:create", load_s=6))
+    while health_status(server.port) is None:
+        assert server.proc.poll() is None and time.monotonic() < launched + 30, server.stderr
+        time.sleep(0.05)
+    listening = time.monotonic()
+    code, body = get(server.port, "/health")
+    health: dict[str, Any] = json.loads(body)
+    assert code == 503 and health["status"] == "starting", health
+    assert health["stages"]["slow"]["state"] == "starting"
+    assert session_refusal(server.port) == (1013, "the pipeline is not ready (starting or restarting); try again later")
+    code, body = get(server.port, "/metrics")
+    assert code == 200 and b'voice_server_sessions_refused_total{endpoint="native",reason="not_ready"} 1.0' in body
+    server.wait_healthy(timeout=60)
+    ready = time.monotonic()
+    print(f"listening {listening - launched:.1f} s after launch, ready {ready - launched:.1f} s after launch")
+    assert ready - listening > 3.0  # the port answered for most of the 6 s load
+    code, body = get(server.port, "/health")
+    health = json.loads(body)
+    assert code == 200 and health["status"] == "ok" and health["stages"]["slow"]["state"] == "ready"
+    assert session_refusal(server.port) is None
+    ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
+    ws.send(json.dumps({"type": "session.start"}))
+    assert json.loads(ws.recv(5))["type"] == "session.started"
+    assert server.stop() == 0
+    with pytest.raises(ConnectionClosed) as info:  # a stop closes the open session with 1001
+        ws.recv(5)
+    assert info.value.rcvd is not None and (info.value.rcvd.code, info.value.rcvd.reason) == (
+        1001, "server shutting down")
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])

@@ -127,6 +127,7 @@ PIPELINE_RULES: dict[str, Rule] = {
     "max_relay_bytes": Number(int, minimum=1 << 16, is_nullable=True),
     "max_relay_segments": Number(int, minimum=1, is_nullable=True),
     "request_timeout_s": Number(float, minimum=0.0, is_min_exclusive=True, is_nullable=True),
+    "max_queued_outputs": Number(int, minimum=1),
     "restart_backoff_s": Number(float, minimum=0.0, is_min_exclusive=True),
     "max_restart_backoff_s": Number(float, minimum=0.0, is_min_exclusive=True),
 }
@@ -160,6 +161,9 @@ class PipelineConfig:
     the descriptor limit."""
     request_timeout_s: float | None = None
     """Default deadline of a request; past it the request fails and is aborted everywhere. null: none."""
+    max_queued_outputs: int = 1024
+    """Terminal outputs of one request waiting for its consumer; one more fails the request ("consumer
+    too slow") and aborts it everywhere, so a consumer that stops reading cannot grow memory."""
     restart_backoff_s: float = 0.5
     """Delay before restarting a crashed stage process; doubles per consecutive crash."""
     max_restart_backoff_s: float = 30.0

@@ -49,6 +49,7 @@ from voice_server.engine.requests import (
     RequestError,
     RequestStream,
     RequestTable,
+    SlowConsumerError,
     TerminalOutput,
     UnavailableError,
 )
@@ -56,7 +57,10 @@ from voice_server.engine.rundir import RunDir, sweep_dead_launches
 from voice_server.engine.supervisor import StartupError, Supervisor
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion, sweep
 
-__all__ = ["Coordinator", "DeadlineExceeded", "OverloadError", "RequestError", "StartupError", "UnavailableError"]
+__all__ = [
+    "Coordinator", "DeadlineExceeded", "OverloadError", "RequestError", "SlowConsumerError", "StartupError",
+    "UnavailableError",
+]
 
 log = logging.getLogger("voice_server.coordinator")
 
@@ -72,6 +76,8 @@ class Coordinator:
         self._nonces = itertools.count()
         self._is_started = False
         self._is_stopping = False
+        self.is_start_done = False
+        """`start` has returned: every stage became ready once (while False, `/health` says `starting`)."""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._cleanups: list[tuple[Callable[[], object], bool]] = []
         """What stop() undoes, in reverse order; True marks a blocking step (run off the loop)."""
@@ -80,7 +86,8 @@ class Coordinator:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._requests = RequestTable(self._loop, self.cfg.terminal_stages, lambda ids: self._broadcast(Abort(ids)))
+        self._requests = RequestTable(self._loop, self.cfg.terminal_stages, lambda ids: self._broadcast(Abort(ids)),
+                                      self.cfg.max_queued_outputs)
         self._is_started = True
         try:
             self._open()
@@ -90,6 +97,7 @@ class Coordinator:
             await self.stop()
             raise
         self._spawn_task(self.supervisor.run())
+        self.is_start_done = True
 
     def _open(self) -> None:
         """Create what a launch holds; each piece registers its own cleanup as it comes into being."""
@@ -146,12 +154,21 @@ class Coordinator:
 
     @property
     def is_ready(self) -> bool:
-        return self._is_started and not self._is_stopping and all(
+        return self.is_start_done and not self._is_stopping and all(
             h.state is ProcessState.READY for h in self.launcher.handles.values()
         )
 
     def health(self) -> dict[str, Any]:
-        """Public view (no PIDs, no launch id): each stage's state and restart history."""
+        """Public view (no PIDs, no launch id): each stage's state and restart history; `status` is
+        `starting` until every stage became ready once (stages `starting` or `ready` meanwhile), then
+        `ok` or `unavailable`."""
+        if not self.is_start_done:
+            # NOTE: the HTTP server listens while the stages load; before `start` ran there is no
+            # supervisor yet, so every stage is reported as starting.
+            stages = self.supervisor.describe() if hasattr(self, "supervisor") else {
+                s.name: {"process": s.process_name, "state": "starting"} for s in self.cfg.stages}
+            status = "unavailable" if self._is_stopping else "starting"
+            return {"status": status, "pipeline": self.cfg.name, "stages": stages}
         return {
             "status": "ok" if self.is_ready else "unavailable", "pipeline": self.cfg.name,
             "num_inflight": len(self._requests), "max_inflight": self.limits.max_inflight_requests,

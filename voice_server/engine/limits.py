@@ -41,9 +41,11 @@ class EngineLimits:
     max_relay_segments: int
     """Live overflow segments per producer process."""
     request_timeout_s: float | None
+    max_queued_outputs: int = 1024
+    """Terminal outputs queued unread per request (`RequestTable`)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_inflight_requests", "max_relay_bytes", "max_relay_segments"):
+        for name in ("max_inflight_requests", "max_relay_bytes", "max_relay_segments", "max_queued_outputs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineLimits.{name} must be >= 1")
 
@@ -61,4 +63,4 @@ class EngineLimits:
             # NOTE: half of what /dev/shm has free, shared by every producer (stages + coordinator).
             share = shm_free_bytes() // (2 * (len(cfg.processes) + 1))
             max_bytes = _clamp(share, cfg.relay_slab_bytes, 8 * _GIB)
-        return cls(max_inflight, max_bytes, max_segments, cfg.request_timeout_s)
+        return cls(max_inflight, max_bytes, max_segments, cfg.request_timeout_s, cfg.max_queued_outputs)

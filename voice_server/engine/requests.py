@@ -32,6 +32,10 @@ class DeadlineExceeded(RequestError):
     """The request ran past its deadline; it was aborted everywhere."""
 
 
+class SlowConsumerError(RequestError):
+    """The request's consumer left more than `max_queued_outputs` outputs unread; it was aborted everywhere."""
+
+
 @dataclass(frozen=True)
 class TerminalOutput:
     request_id: str
@@ -61,9 +65,12 @@ class RequestTable:
 
     def __init__(
         self, loop: asyncio.AbstractEventLoop, terminal_stages: tuple[str, ...],
-        broadcast_abort: Callable[[list[str]], None],
+        broadcast_abort: Callable[[list[str]], None], max_queued_outputs: int = 1024,
     ) -> None:
+        if isinstance(max_queued_outputs, bool) or not isinstance(max_queued_outputs, int) or max_queued_outputs < 1:
+            raise ValueError(f"max_queued_outputs: must be an integer >= 1, got {max_queued_outputs!r}")
         self._loop, self._terminal_stages, self._broadcast_abort = loop, terminal_stages, broadcast_abort
+        self.max_queued_outputs = max_queued_outputs
         self._requests: dict[str, RequestState] = {}
         self.is_closed = False
 
@@ -87,6 +94,13 @@ class RequestTable:
             return True  # NOTE: aborted or failed already; late outputs are expected
         if output.stage not in request.pending_terminals:
             return False
+        if request.queue.qsize() >= self.max_queued_outputs:
+            # NOTE: what is queued is dropped at once (the request failed; its consumer gets the error
+            # next instead of after the backlog), so memory is bounded per request.
+            _drain(request.queue)
+            self.fail(output.request_id, SlowConsumerError(
+                f"consumer too slow: {self.max_queued_outputs} outputs were queued unread (max_queued_outputs)"))
+            return True
         request.queue.put_nowait(output)
         if output.is_final:
             request.pending_terminals.discard(output.stage)
@@ -108,8 +122,7 @@ class RequestTable:
         request = self._requests.get(request_id)
         if request is None:
             return False
-        while not request.queue.empty():  # NOTE: after a barge-in nothing more may reach the client
-            request.queue.get_nowait()
+        _drain(request.queue)  # NOTE: after a barge-in nothing more may reach the client
         self._end(request_id, None)
         self._broadcast_abort([request_id])
         return True
@@ -132,6 +145,11 @@ class RequestTable:
             return
         with contextlib.suppress(RuntimeError):  # NOTE: the loop closed meanwhile: nothing left to abort
             self._loop.call_soon_threadsafe(self.abort, request_id)
+
+
+def _drain(queue: asyncio.Queue[Any]) -> None:
+    while not queue.empty():
+        queue.get_nowait()
 
 
 class RequestStream:

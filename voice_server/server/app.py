@@ -1,24 +1,35 @@
-"""The HTTP/WebSocket front: a starlette app over a started coordinator.
+"""The HTTP/WebSocket front: a starlette app over a coordinator, and the uvicorn server that runs it.
 
-`serve` (`voice_server/server/runner.py`) owns the coordinator: it starts the stages before the
-port listens and stops them after the server has closed its connections, so a stop signal is
-handled at any point instead of after start-up.
+`serve` (`voice_server/server/runner.py`) owns the coordinator: the port listens first, the stages
+load meanwhile (`/health` answers 503 with each stage's progress, sessions are closed with 1013),
+and on a stop signal the open sessions are closed (1001) before the stages stop.
 
-Routes: `GET /health` (200 only when every stage process is ready), `WS /ws`, the native voice
-protocol (`voice_server/session/native.py`), `WS /v1/realtime`, the OpenAI Realtime protocol
+Routes: `GET /health` (200 only when every stage process is ready), `GET /metrics` (Prometheus text,
+`voice_server/server/metrics.py`), `WS /ws`, the native voice protocol
+(`voice_server/session/native.py`), `WS /v1/realtime`, the OpenAI Realtime protocol
 (`voice_server/session/realtime/endpoint.py`), and `WS /twilio/media`, phone calls over Twilio Media
 Streams (`voice_server/session/twilio/endpoint.py`; its settings, e.g. the token, in
 `app.state.twilio`).
+
+App state: `coordinator`, `metrics` (`Metrics`, one registry per app), `sessions` (`SessionGate`:
+admission and limits every WebSocket endpoint applies) and `twilio` (`TwilioSettings`).
 """
 
 from __future__ import annotations
 
+import socket
+
+import uvicorn
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 
 from voice_server.engine.coordinator import Coordinator
+from voice_server.server.metrics import CONTENT_TYPE_LATEST, Metrics
+from voice_server.server.session_limits import SessionLimits
+from voice_server.server.sessions import AbortHandleMiddleware, SessionGate
 from voice_server.session.native import native_ws
 from voice_server.session.realtime.endpoint import realtime_ws
 from voice_server.session.twilio.endpoint import TwilioSettings, twilio_ws
@@ -29,9 +40,34 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(coordinator.health(), status_code=200 if coordinator.is_ready else 503)
 
 
-def create_app(coordinator: Coordinator, twilio: TwilioSettings | None = None) -> Starlette:
-    app = Starlette(routes=[Route("/health", health), WebSocketRoute("/ws", native_ws),
-                            WebSocketRoute("/v1/realtime", realtime_ws), WebSocketRoute("/twilio/media", twilio_ws)])
+async def metrics(request: Request) -> Response:
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def create_app(
+    coordinator: Coordinator, limits: SessionLimits | None = None, twilio: TwilioSettings | None = None
+) -> Starlette:
+    routes = [Route("/health", health), Route("/metrics", metrics), WebSocketRoute("/ws", native_ws),
+              WebSocketRoute("/v1/realtime", realtime_ws), WebSocketRoute("/twilio/media", twilio_ws)]
+    app = Starlette(routes=routes, middleware=[Middleware(AbortHandleMiddleware)])
     app.state.coordinator = coordinator
+    app.state.metrics = Metrics()
+    app.state.sessions = SessionGate(limits or SessionLimits(), app.state.metrics, lambda: coordinator.is_ready)
     app.state.twilio = twilio or TwilioSettings()
     return app
+
+
+class VoiceServer(uvicorn.Server):
+    """uvicorn's server, closing the app's open sessions with 1001 before its own shutdown.
+
+    NOTE: uvicorn closes WebSockets with 1012 (service restart) from `connection.shutdown()`, which
+    the app never sees; closing them first lets each session end its response (aborted in every stage)
+    and tells clients the server is going away.
+    """
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        # NOTE: `config.app` is the app as given; `loaded_app` is wrapped in uvicorn's middleware.
+        gate = getattr(getattr(self.config.app, "state", None), "sessions", None)
+        if isinstance(gate, SessionGate):
+            await gate.close_all()
+        await super().shutdown(sockets)

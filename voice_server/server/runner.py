@@ -1,14 +1,16 @@
-"""`voice-server serve`: one event loop that starts the stages, serves HTTP and stops on a signal
+"""`voice-server serve`: one event loop that serves HTTP, starts the stages and stops on a signal
 at any point.
 
-Order: bind the port (a clash fails in milliseconds, before any model loads) -> start the
-coordinator (stage processes load; connection attempts are refused meanwhile) -> listen and serve
--> on SIGTERM/SIGINT stop uvicorn, then the coordinator.
+Order: bind the port (a clash fails in milliseconds, before any model loads) -> listen (uvicorn) ->
+start the coordinator (stage processes load; meanwhile `/health` answers 503 with each stage's
+state and WebSocket sessions are closed with 1013, try again later) -> serve -> on SIGTERM/SIGINT
+stop uvicorn (open sessions are closed with 1001 first), then the coordinator. A stage that fails
+to start stops the HTTP server and `serve` exits 2.
 
 The loop owns SIGTERM and SIGINT from the start: a signal while the stages load cancels the
-coordinator's start (which stops what it launched: loading stages exit at once on SIGTERM); while
-serving it makes uvicorn close its connections (requests in flight get `shutdown_grace_s`); a
-second signal makes uvicorn stop waiting. Exit codes: 0 after a stop signal at any point,
+coordinator's start (which stops what it launched: loading stages exit at once on SIGTERM) and
+stops uvicorn; while serving it makes uvicorn close its connections (requests in flight get
+`shutdown_grace_s`); a second signal makes uvicorn stop waiting. Exit codes: 0 after a stop signal at any point,
 2 for configuration and start-up errors (one paragraph on stderr; the traceback is logged at
 DEBUG), 1 for anything unexpected.
 """
@@ -30,14 +32,16 @@ from voice_server.config import PipelineConfig
 from voice_server.config.errors import one_line
 from voice_server.engine.coordinator import Coordinator, StartupError
 from voice_server.logs import flush_rate_limits, install_rate_limit
-from voice_server.server.app import create_app
+from voice_server.server.app import VoiceServer, create_app
 from voice_server.server.http import HttpLimits, bind_socket, protocol_class
+from voice_server.server.session_limits import SessionLimits
 
 log = logging.getLogger("voice_server.server")
 EXIT_STOPPED = 0
 EXIT_STARTUP_ERROR = 2
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _LOG_FLUSH_INTERVAL_S = 1.0
+_LISTEN_POLL_S = 0.01
 _LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 
 
@@ -51,6 +55,7 @@ class ServeOptions:
     port: int = 8000
     log_level: str = "info"
     limits: HttpLimits = field(default_factory=HttpLimits)
+    sessions: SessionLimits = field(default_factory=SessionLimits)
 
 
 def configure_logging(log_level: str) -> None:
@@ -74,7 +79,7 @@ def run_server(cfg: PipelineConfig, options: ServeOptions) -> int:
         flush_rate_limits(is_final=True)
 
 
-class _Server(uvicorn.Server):
+class _Server(VoiceServer):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # NOTE: the loop's handlers own SIGINT/SIGTERM for the whole run; uvicorn's would replace
@@ -129,34 +134,67 @@ async def _serve(cfg: PipelineConfig, options: ServeOptions, stopper: _Stopper) 
             coordinator = Coordinator(cfg)
         except Exception as exc:
             raise ServeError(f"{type(exc).__name__}: {exc}") from exc
-        stopper.start_task = start = asyncio.ensure_future(coordinator.start())
+        stopper.server = server = _Server(_uvicorn_config(create_app(coordinator, options.sessions), options))
+        serving = asyncio.ensure_future(_run_http(server, sock))
         try:
-            await start
-        except asyncio.CancelledError:
-            if stopper.signal is None:
-                raise
-            log.info("stopped while the stages were starting")
-            return EXIT_STOPPED
-        except StartupError as exc:
-            raise ServeError(describe_startup_error(cfg, coordinator, exc)) from exc
-        except Exception as exc:
-            raise ServeError(f"{type(exc).__name__}: {exc}") from exc
-        try:
-            if stopper.signal is not None:
-                return EXIT_STOPPED
-            stopper.server = server = _Server(_uvicorn_config(create_app(coordinator), options))
-            limits = options.limits
-            log.info(
-                "serving http://%s:%d (max_connections %d, request_head_timeout_s %g, keep_alive_timeout_s %g)",
-                options.host, sock.getsockname()[1], limits.max_connections, limits.request_head_timeout_s,
-                limits.keep_alive_timeout_s,
-            )
-            try:
-                await server.serve(sockets=[sock])
-            except (SystemExit, OSError) as exc:  # NOTE: uvicorn exits on a failed start after logging why
-                raise ServeError(f"the HTTP server did not start: {exc!r}") from exc
+            return await _start_and_serve(cfg, options, coordinator, server, serving, stopper)
         finally:
+            # NOTE: HTTP first (open sessions end their responses while the stages still run), then the stages.
+            server.should_exit = True
+            with contextlib.suppress(ServeError):
+                await serving
             await coordinator.stop()
+
+
+async def _run_http(server: _Server, sock: Any) -> None:
+    try:
+        await server.serve(sockets=[sock])
+    except (SystemExit, OSError) as exc:  # NOTE: uvicorn exits on a failed start after logging why
+        raise ServeError(f"the HTTP server did not start: {exc!r}") from exc
+
+
+async def _start_and_serve(
+    cfg: PipelineConfig, options: ServeOptions, coordinator: Coordinator, server: _Server,
+    serving: asyncio.Future[None], stopper: _Stopper,
+) -> int:
+    while not server.started:  # NOTE: listen first, so clients see 503/1013 rather than refused connections
+        if serving.done():
+            await serving  # raises ServeError if uvicorn failed to start
+            return EXIT_STOPPED
+        await asyncio.sleep(_LISTEN_POLL_S)
+    if stopper.signal is not None:
+        return EXIT_STOPPED
+    log.info("listening on http://%s:%d; the stages are starting", options.host, options.port)
+    stopper.start_task = start = asyncio.ensure_future(coordinator.start())
+    await asyncio.wait({start, serving}, return_when=asyncio.FIRST_COMPLETED)
+    if not start.done():  # NOTE: uvicorn stopped (or failed) while the stages were loading
+        start.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await start
+        await serving
+        return EXIT_STOPPED
+    try:
+        start.result()
+    except asyncio.CancelledError:
+        if stopper.signal is None:
+            raise
+        log.info("stopped while the stages were starting")
+        return EXIT_STOPPED
+    except StartupError as exc:
+        raise ServeError(describe_startup_error(cfg, coordinator, exc)) from exc
+    except Exception as exc:
+        raise ServeError(f"{type(exc).__name__}: {exc}") from exc
+    if stopper.signal is not None:
+        return EXIT_STOPPED
+    limits, sessions = options.limits, options.sessions
+    log.info(
+        "serving http://%s:%d (max_connections %d, request_head_timeout_s %g, keep_alive_timeout_s %g, "
+        "max_sessions %s, auth %s, idle_timeout_s %s)",
+        options.host, options.port, limits.max_connections, limits.request_head_timeout_s,
+        limits.keep_alive_timeout_s, sessions.max_sessions, "on" if sessions.auth_token else "off",
+        sessions.idle_timeout_s,
+    )
+    await serving
     return EXIT_STOPPED
 
 
@@ -191,6 +229,7 @@ def _uvicorn_config(app: Any, options: ServeOptions) -> uvicorn.Config:
         log_level=options.log_level,
         backlog=limits.backlog,
         timeout_graceful_shutdown=limits.shutdown_grace_s,
+        ws_max_size=options.sessions.max_message_bytes,
     )
 
 

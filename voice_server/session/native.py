@@ -17,6 +17,11 @@ Errors: a first message that is not a valid `session.start` closes with 1008 (wi
 bad message afterwards gets an `error` event and the session goes on; frames over the server's size
 limit close with 1009 (uvicorn). Whenever the connection ends the running response is aborted in
 every stage.
+
+Admission, limits and metrics are the app's (`SessionGate`, `voice_server/server/sessions.py`; `Metrics`,
+`voice_server/server/metrics.py`): auth and origin refusals close 1008, a pipeline not ready or
+`max_sessions` reached closes 1013, idle sessions close 1000, a client that stops reading is dropped,
+shutdown closes 1001.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
+from voice_server.server.metrics import ConnectionMetrics
+from voice_server.server.sessions import SessionGuard
 from voice_server.session.core import Session, SessionConfig
 from voice_server.session.events import (
     AudioDelta,
@@ -48,6 +55,7 @@ from voice_server.session.turn_config import TurnDetectionConfig
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
 CLOSE_POLICY = 1008
+ENDPOINT = "native"
 
 
 def read_start(message: Any) -> SessionConfig:
@@ -94,42 +102,45 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
 class NativeConnection:
     """One `/ws` connection: receive loop -> `Session`, its events -> the socket (one sender at a time)."""
 
-    def __init__(self, websocket: WebSocket) -> None:
-        self.websocket = websocket
+    def __init__(self, websocket: WebSocket, guard: SessionGuard, metrics: ConnectionMetrics) -> None:
+        self.websocket, self.guard, self.metrics = websocket, guard, metrics
         self._send_lock = asyncio.Lock()
         self.is_open = True
 
     async def emit(self, event: SessionEvent) -> None:
         if not self.is_open:
+            if isinstance(event, ResponseDone):
+                self.metrics.observe(event)  # NOTE: a response the disconnect cancelled still counts
             return
-        try:
-            async with self._send_lock:
-                if isinstance(event, AudioDelta):
-                    await self.websocket.send_bytes(pcm16_to_bytes(event.pcm16))
-                else:
-                    await self.websocket.send_text(json.dumps(to_json(event)))
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            self.is_open = False  # NOTE: the client is gone; the receive loop ends the session
+        async with self._send_lock:
+            if isinstance(event, AudioDelta):
+                is_sent = await self.guard.send_bytes(pcm16_to_bytes(event.pcm16))
+            else:
+                is_sent = await self.guard.send_text(json.dumps(to_json(event)))
+        self.metrics.observe(event)
+        if not is_sent:
+            self.is_open = False  # NOTE: the client is gone (or was dropped); the receive loop ends the session
 
     async def error(self, code: str, message: str) -> None:
         await self.emit(SessionError(code, message))
 
     async def serve(self, coordinator: Any) -> None:
-        websocket = self.websocket
-        await websocket.accept()
         try:
-            first = await asyncio.wait_for(websocket.receive(), START_TIMEOUT_S)
+            first = await asyncio.wait_for(self.guard.receive(), START_TIMEOUT_S)
+            if first["type"] == "websocket.disconnect":
+                return
             config = read_start(json.loads(first.get("text") or "null"))
         except (asyncio.TimeoutError, ValueError, TypeError) as exc:
-            await websocket.close(CLOSE_POLICY, reason=str(exc)[:120])
+            self.metrics.protocol_error("invalid_session_start")
+            await self.guard.close(CLOSE_POLICY, str(exc)[:120], label="invalid_session_start")
             return
         session = Session(coordinator, config, self.emit)
-        await websocket.send_text(json.dumps({
+        await self.guard.send_text(json.dumps({
             "type": "session.started", "input_rate": config.input_rate, "output_rate": config.output_rate,
             "turn_detection": None if config.turn_detection is None else "server_vad"}))
         try:
             while self.is_open:
-                message = await websocket.receive()
+                message = await self.guard.receive()
                 if message["type"] == "websocket.disconnect":
                     break
                 if message.get("bytes") is not None:
@@ -149,6 +160,7 @@ class NativeConnection:
             await self.error("invalid_audio", str(exc))
             return
         await session.on_audio(np.ascontiguousarray(pcm))
+        self.metrics.count_barge_ins(session)
 
     async def _on_control(self, session: Session, text: str) -> None:
         try:
@@ -168,8 +180,10 @@ class NativeConnection:
                 return
             await session.add_text(body)
             if message.get("respond", True):
+                self.metrics.turn_ended()
                 await session.create_response()
         elif kind == "response.create":
+            self.metrics.turn_ended()
             await session.create_response()
         elif kind == "response.cancel":
             if not await session.cancel_response():
@@ -185,4 +199,11 @@ class NativeConnection:
 
 
 async def native_ws(websocket: WebSocket) -> None:
-    await NativeConnection(websocket).serve(websocket.app.state.coordinator)
+    state = websocket.app.state
+    guard = await state.sessions.admit(websocket, ENDPOINT)
+    if guard is None:
+        return  # NOTE: refused (auth, origin, not ready, full, shutting down): closed and counted
+    try:
+        await NativeConnection(websocket, guard, state.metrics.track(ENDPOINT)).serve(state.coordinator)
+    finally:
+        await guard.release()

@@ -1,0 +1,89 @@
+"""`GET /metrics` after real native sessions (real uvicorn, real stage processes, speech-like audio):
+first-audio latency, the per-stage breakdown, realtime factor, responses by status, barge-ins,
+protocol errors and the active-session gauge."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from live_server import LiveServer, events_until, metric, open_session, speech_pipeline, stream_audio
+from speech_signals import signal_of
+
+RATE = 16000
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    pipeline = speech_pipeline(step_delay_ms=30)
+    srv = LiveServer(pipeline)
+    yield srv
+    srv.close()
+    pipeline.close()
+
+
+def test_metrics_after_a_spoken_and_a_typed_turn(server: LiveServer) -> None:
+    before = server.metrics()
+    assert metric(before, "voice_server_first_audio_seconds_count") == 0
+    ws = open_session(server.ws_url)
+    assert metric(server.metrics(), "voice_server_active_sessions", endpoint="native") == 1
+    stream_audio(ws, signal_of(RATE, ("noise", 300), ("voice", 900), ("noise", 700)), pace=4.0)
+    events, _ = events_until(ws, "response_done")
+    spoken = events[-1]
+    assert spoken["status"] == "completed"
+    ws.send(json.dumps({"type": "text", "text": "and now?"}))
+    typed = events_until(ws, "response_done")[0][-1]
+    ws.send(json.dumps({"type": "dance"}))
+    assert json.loads(ws.recv(5))["code"] == "unknown_event"
+    samples = server.metrics()
+    print({k: v for k, v in samples.items() if "bucket" not in k[0]})
+    assert metric(samples, "voice_server_first_audio_seconds_count") == 2
+    # The first audio comes one 30 ms step after the turn ends (plus the request's way through the
+    # stage), and the client-side first_audio_sent timing bounds it.
+    first_audio_sum = metric(samples, "voice_server_first_audio_seconds_sum")
+    assert 0.02 < first_audio_sum < 2.0
+    assert first_audio_sum >= (spoken["timings_ms"]["first_audio_sent"] + typed["timings_ms"]["first_audio_sent"]) / 1e3
+    assert metric(samples, "voice_server_stage_first_output_seconds_count", stage="speech") == 2
+    stage_sum = metric(samples, "voice_server_stage_first_output_seconds_sum", stage="speech")
+    assert stage_sum == pytest.approx((spoken["timings_ms"]["speech"] + typed["timings_ms"]["speech"]) / 1e3, abs=1e-3)
+    assert metric(samples, "voice_server_stage_first_output_seconds_count", stage="first_audio_sent") == 0
+    # 12 words of 80 ms audio at one word per 30 ms step: well under real time.
+    assert metric(samples, "voice_server_realtime_factor_count") == 2
+    assert 0.2 < metric(samples, "voice_server_realtime_factor_sum") / 2 < 0.9
+    assert metric(samples, "voice_server_responses_total", status="completed") == 2
+    assert metric(samples, "voice_server_protocol_errors_total", endpoint="native", type="unknown_event") == 1
+    ws.close()
+    deadline = time.monotonic() + 5
+    while metric(server.metrics(), "voice_server_active_sessions", endpoint="native") != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_barge_in_is_counted_with_its_cancelled_response(server: LiveServer) -> None:
+    before = server.metrics()
+    ws = open_session(server.ws_url, params={"sampling": {"max_tokens": 200}})
+    ws.send(json.dumps({"type": "text", "text": "tell me a long story"}))
+    events_until(ws, "response_started")
+    ws.recv(5)
+    stream_audio(ws, signal_of(RATE, ("voice", 600), ("noise", 700)), pace=1.0)
+    events, _ = events_until(ws, "response_done")
+    assert events[-1]["status"] == "cancelled" and "item_truncated" in [e["type"] for e in events]
+    events_until(ws, "response_done")  # the interruption's own reply
+    after = server.metrics()
+    assert metric(after, "voice_server_barge_ins_total") - metric(before, "voice_server_barge_ins_total") == 1
+    cancelled = metric(after, "voice_server_responses_total", status="cancelled")
+    assert cancelled - metric(before, "voice_server_responses_total", status="cancelled") == 1
+    ws.close()
+
+
+def test_two_apps_have_their_own_registries(server: LiveServer) -> None:
+    ws = open_session(server.ws_url)
+    other = LiveServer(server.pipeline)  # NOTE: the same series in a second app must not clash
+    try:
+        assert metric(other.metrics(), "voice_server_active_sessions", endpoint="native") == 0
+        assert metric(server.metrics(), "voice_server_active_sessions", endpoint="native") == 1
+        ws.close()
+    finally:
+        other.close()

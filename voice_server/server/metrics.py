@@ -1,0 +1,164 @@
+"""Prometheus metrics of the session layer (`GET /metrics`), one registry per app.
+
+How an endpoint reports (every endpoint: `/ws`, `/v1/realtime`, `/twilio/media`):
+
+- the session gate (`voice_server/server/sessions.py`) counts sessions opened, refused and dropped
+  (`voice_server_active_sessions{endpoint}`, `..._sessions_refused_total`, `..._sessions_dropped_total`);
+  an endpoint that admits through `SessionGate.admit` gets these for free;
+- per connection, `tracker = metrics.track(endpoint)`, then:
+  - `tracker.observe(event)` for every `SessionEvent` the endpoint sends to its client (in its emit),
+    after the send: turn ends (`SpeechStopped`), the first audio of each response, `ResponseDone`
+    (first-audio latency, per-stage breakdown, realtime factor, status) and `SessionError` (protocol
+    errors by code) are taken from there;
+  - `tracker.turn_ended()` when a turn ends by a client message (a typed text turn, a manual commit,
+    an explicit response request), so first-audio latency is measured from that message;
+  - `tracker.count_barge_ins(session)` after feeding input audio to a `Session`;
+  - `tracker.protocol_error(code)` for a client error the endpoint answers without a `SessionError`
+    event (e.g. a bad first message that closes the connection).
+
+Series:
+- `voice_server_first_audio_seconds`: end of the user's turn (the server's `SpeechStopped`, i.e. after
+  the VAD's `silence_duration_ms`, or the client message that ended it) -> the first audio byte of
+  the response handed to the socket;
+- `voice_server_stage_first_output_seconds{stage}`: submit -> each stage's first output of a response
+  (from `ResponseDone.timings_ms`);
+- `voice_server_realtime_factor`: wall time from `ResponseStarted` to `ResponseDone` over the seconds of
+  audio sent, per completed response with audio (< 1: faster than real time);
+- `voice_server_responses_total{status}`, `voice_server_barge_ins_total`,
+  `voice_server_protocol_errors_total{endpoint,type}`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from voice_server.session.events import (
+    AudioDelta,
+    ResponseDone,
+    ResponseStarted,
+    SessionError,
+    SessionEvent,
+    SpeechStopped,
+)
+
+__all__ = ["CONTENT_TYPE_LATEST", "ConnectionMetrics", "Metrics"]
+
+_LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 4.0)
+_NOT_A_STAGE = ("first_audio_sent",)
+"""Keys of `ResponseDone.timings_ms` measured at the session, not by a stage."""
+
+
+class Metrics:
+    """The app's metrics: `app.state.metrics`; `render()` is the body of `GET /metrics`."""
+
+    def __init__(self) -> None:
+        # NOTE: a registry of its own (not prometheus_client's global one), so one process can build
+        # several apps (tests) without duplicate-series errors.
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.first_audio = Histogram(
+            "voice_server_first_audio_seconds", "End of the user's turn to the first audio byte sent",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage_first_output = Histogram(
+            "voice_server_stage_first_output_seconds", "Request submit to a stage's first output, per response",
+            ["stage"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.realtime_factor = Histogram(
+            "voice_server_realtime_factor", "Response wall time over its audio duration (completed responses)",
+            buckets=_RTF_BUCKETS, registry=r)
+        self.active_sessions = Gauge("voice_server_active_sessions", "Sessions open", ["endpoint"], registry=r)
+        self.barge_ins = Counter("voice_server_barge_ins", "Responses cut by the user speaking", registry=r)
+        self.responses = Counter("voice_server_responses", "Responses ended, by status", ["status"], registry=r)
+        self.protocol_errors = Counter(
+            "voice_server_protocol_errors", "Client errors answered, by endpoint and error code",
+            ["endpoint", "type"], registry=r)
+        self.sessions_refused = Counter(
+            "voice_server_sessions_refused", "WebSocket sessions closed at the handshake, by reason",
+            ["endpoint", "reason"], registry=r)
+        self.sessions_dropped = Counter(
+            "voice_server_sessions_dropped", "Sessions the server closed, by reason (idle, slow_client, shutdown)",
+            ["endpoint", "reason"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def session_opened(self, endpoint: str) -> None:
+        self.active_sessions.labels(endpoint).inc()
+
+    def session_closed(self, endpoint: str) -> None:
+        self.active_sessions.labels(endpoint).dec()
+
+    def session_refused(self, endpoint: str, reason: str) -> None:
+        self.sessions_refused.labels(endpoint, reason).inc()
+
+    def session_dropped(self, endpoint: str, reason: str) -> None:
+        self.sessions_dropped.labels(endpoint, reason).inc()
+
+    def protocol_error(self, endpoint: str, code: str) -> None:
+        self.protocol_errors.labels(endpoint, code).inc()
+
+    def response_done(self, event: ResponseDone, first_audio_s: float | None, wall_s: float | None) -> None:
+        """One response ended: its status, stage breakdown, and (when known) first-audio latency and
+        wall time (realtime factor, for completed responses with audio)."""
+        self.responses.labels(event.status).inc()
+        for stage, ms in event.timings_ms.items():
+            if stage not in _NOT_A_STAGE:
+                self.stage_first_output.labels(stage).observe(max(0.0, ms / 1000.0))
+        if first_audio_s is not None:
+            self.first_audio.observe(max(0.0, first_audio_s))
+        if wall_s is not None and event.status == "completed" and event.num_audio_ms > 0:
+            self.realtime_factor.observe(wall_s / (event.num_audio_ms / 1000.0))
+
+    def track(self, endpoint: str) -> ConnectionMetrics:
+        return ConnectionMetrics(self, endpoint)
+
+
+class ConnectionMetrics:
+    """One connection's bookkeeping between its events (see the module docstring for the calls)."""
+
+    def __init__(self, metrics: Metrics, endpoint: str) -> None:
+        self.metrics, self.endpoint = metrics, endpoint
+        self._turn_end_at: float | None = None
+        self._responses: dict[str, dict[str, float]] = {}
+        """Response id -> `started`, `turn_end` and `first_audio` (monotonic times) while it runs."""
+        self._num_barge_ins = 0
+
+    def turn_ended(self) -> None:
+        self._turn_end_at = time.monotonic()
+
+    def protocol_error(self, code: str) -> None:
+        self.metrics.protocol_error(self.endpoint, code)
+
+    def count_barge_ins(self, session: Any) -> None:
+        """Count the barge-ins `session` (a `Session`) made since the last call."""
+        num = int(session.num_barge_ins)
+        if num > self._num_barge_ins:
+            self.metrics.barge_ins.inc(num - self._num_barge_ins)
+        self._num_barge_ins = num
+
+    def observe(self, event: SessionEvent) -> None:
+        now = time.monotonic()
+        if isinstance(event, SpeechStopped):
+            self._turn_end_at = now
+        elif isinstance(event, ResponseStarted):
+            times = self._responses[event.response_id] = {"started": now}
+            if self._turn_end_at is not None:
+                # NOTE: a response without a new turn (a second `response.create`) has no turn end.
+                times["turn_end"], self._turn_end_at = self._turn_end_at, None
+        elif isinstance(event, AudioDelta):
+            running = self._responses.get(event.response_id)
+            if running is not None:
+                running.setdefault("first_audio", now)
+        elif isinstance(event, ResponseDone):
+            done = self._responses.pop(event.response_id, {})
+            first_audio_s = None
+            if "turn_end" in done and "first_audio" in done:
+                first_audio_s = done["first_audio"] - done["turn_end"]
+            wall_s = now - done["started"] if "started" in done else None
+            self.metrics.response_done(event, first_audio_s, wall_s)
+        elif isinstance(event, SessionError):
+            self.metrics.protocol_error(self.endpoint, event.code)
