@@ -51,9 +51,14 @@ class SessionGate:
         self.guards: set[SessionGuard] = set()
         self.is_closing = False
 
-    async def admit(self, websocket: WebSocket, endpoint: str, subprotocol: str | None = None) -> SessionGuard | None:
-        """Accept the handshake; None after closing it when the session is refused (counted by reason)."""
-        refusal = self._refusal(websocket)
+    async def admit(
+        self, websocket: WebSocket, endpoint: str, subprotocol: str | None = None, is_bearer_auth: bool = True,
+    ) -> SessionGuard | None:
+        """Accept the handshake; None after closing it when the session is refused (counted by reason).
+
+        `is_bearer_auth=False`: the endpoint authenticates in its own protocol (Twilio: a token in its
+        `start` message, since Twilio sends no header of ours)."""
+        refusal = self._refusal(websocket, is_bearer_auth)
         await websocket.accept(subprotocol=subprotocol)
         if refusal is not None:
             code, reason, label = refusal
@@ -67,10 +72,10 @@ class SessionGate:
         self.metrics.session_opened(endpoint)
         return guard
 
-    def _refusal(self, websocket: WebSocket) -> tuple[int, str, str] | None:
+    def _refusal(self, websocket: WebSocket, is_bearer_auth: bool) -> tuple[int, str, str] | None:
         if not check_origin(websocket, self._origins):
             return CLOSE_POLICY, "origin not allowed", "origin"
-        if not check_websocket_auth(websocket, self.limits.auth_token):
+        if is_bearer_auth and not check_websocket_auth(websocket, self.limits.auth_token):
             return CLOSE_POLICY, "missing or invalid bearer token", "auth"
         if self.is_closing:
             return CLOSE_GOING_AWAY, "server shutting down", "shutdown"

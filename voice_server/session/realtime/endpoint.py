@@ -30,6 +30,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from voice_server.server.metrics import ConnectionMetrics
+from voice_server.server.sessions import SessionGuard
 from voice_server.session.core import Session
 from voice_server.session.events import SessionEvent
 from voice_server.session.realtime import server_events as se
@@ -60,7 +62,7 @@ from voice_server.session.realtime.session_config import DEFAULT_SESSION
 
 SUBPROTOCOLS = ("realtime", "openai-beta.realtime-v1")
 """Offered subprotocols the server may pick, in order of preference (never the one carrying a key)."""
-CLOSE_POLICY = 1008
+ENDPOINT = "realtime"
 
 
 def choose_subprotocol(offered: Iterable[str]) -> str | None:
@@ -68,21 +70,11 @@ def choose_subprotocol(offered: Iterable[str]) -> str | None:
     return next((name for name in SUBPROTOCOLS if name in names), None)
 
 
-async def authorize(websocket: WebSocket) -> bool:
-    """AUTH HOOK: whether this connection may open a session (another task implements it; all may, now).
-
-    The credential comes as `Authorization: Bearer <key>` (the SDK, servers) or, from browsers, as the
-    offered subprotocol `openai-insecure-api-key.<key>` (`websocket.scope["subprotocols"]`). A refused
-    connection is closed before it is accepted (the client sees HTTP 403).
-    """
-    return True
-
-
 class RealtimeConnection:
     """One `/v1/realtime` connection: client events -> `Session`, its events -> the socket via `Bridge`."""
 
-    def __init__(self, websocket: WebSocket, coordinator: Any) -> None:
-        self.websocket = websocket
+    def __init__(self, websocket: WebSocket, coordinator: Any, guard: SessionGuard, metrics: ConnectionMetrics) -> None:
+        self.websocket, self.guard, self.metrics = websocket, guard, metrics
         self.config = DEFAULT_SESSION
         self.session = Session(coordinator, core_config(self.config), self.emit)
         self.bridge = Bridge(self.session.conversation, self.config)
@@ -94,6 +86,7 @@ class RealtimeConnection:
         # NOTE: translated under the lock, so the bridge's state changes in the order the client sees it.
         async with self._send_lock:
             await self._send_all(self.bridge.events(event))
+        self.metrics.observe(event)
 
     async def send(self, *events: Event) -> None:
         async with self._send_lock:
@@ -103,22 +96,20 @@ class RealtimeConnection:
         for event in events:
             if not self.is_open:
                 return
-            try:
-                await self.websocket.send_text(json.dumps(event))
-            except (WebSocketDisconnect, RuntimeError, OSError):
-                self.is_open = False  # NOTE: the client is gone; the receive loop ends the session
+            if event.get("type") == "error":
+                self.metrics.protocol_error(str(event.get("error", {}).get("code", "error")))
+            if not await self.guard.send_text(json.dumps(event)):
+                self.is_open = False  # NOTE: the client is gone (or was dropped); the receive loop ends the session
 
     async def error(self, code: str, message: str, param: str | None = None) -> None:
         await self.send(ProtocolError(code, message, param, self.bridge.client_event_id).to_event())
 
     async def serve(self) -> None:
-        websocket = self.websocket
-        await websocket.accept(subprotocol=choose_subprotocol(websocket.scope.get("subprotocols", ())))
         self.pace = InputPace()  # NOTE: the pace counts from the moment the client can send
         await self.send(se.session_created(self.config))
         try:
             while self.is_open:
-                message = await websocket.receive()
+                message = await self.guard.receive()
                 if message["type"] == "websocket.disconnect":
                     break
                 frame = message.get("text")
@@ -171,6 +162,7 @@ class RealtimeConnection:
             return
         if pcm.size:
             await self.session.on_audio(pcm)
+            self.metrics.count_barge_ins(self.session)
 
     async def on_commit(self, event: InputAudioBufferCommit) -> None:
         await self.session.commit()  # NOTE: an empty buffer is the session's error event
@@ -227,6 +219,7 @@ class RealtimeConnection:
 
     async def on_response_create(self, event: ResponseCreate) -> None:
         overrides = event.response
+        self.metrics.turn_ended()
         if self.session.is_responding():
             await self.error(ACTIVE_RESPONSE, "Conversation already has an active response in progress.")
             return
@@ -270,8 +263,15 @@ _HANDLERS: dict[type, Callable[[RealtimeConnection, Any], Awaitable[None]]] = {
 
 
 async def realtime_ws(websocket: WebSocket) -> None:
-    if not await authorize(websocket):
-        await websocket.close(CLOSE_POLICY)
+    # NOTE: auth (`Authorization: Bearer` or the browsers' `openai-insecure-api-key.<key>` subprotocol),
+    # origin, readiness and the session limit are the gate's (`voice_server/server/sessions.py`).
+    state = websocket.app.state
+    subprotocol = choose_subprotocol(websocket.scope.get("subprotocols", ()))
+    guard = await state.sessions.admit(websocket, ENDPOINT, subprotocol=subprotocol)
+    if guard is None:
         return
-    await RealtimeConnection(websocket, websocket.app.state.coordinator).serve()
+    try:
+        await RealtimeConnection(websocket, state.coordinator, guard, state.metrics.track(ENDPOINT)).serve()
+    finally:
+        await guard.release()
 

@@ -25,7 +25,7 @@ decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), se
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +33,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from voice_server.server.metrics import ConnectionMetrics
+from voice_server.server.sessions import SessionGuard
 from voice_server.session.core import Session, SessionConfig
 from voice_server.session.events import AudioDelta, ResponseDone, ResponseStarted, SessionEvent, SpeechStarted
 from voice_server.session.turn_config import TurnDetectionConfig
@@ -59,6 +61,7 @@ from voice_server.session.twilio.stream import TwilioStreamGuard
 
 __all__ = ["CallListener", "TwilioSettings", "twilio_ws"]
 
+ENDPOINT = "twilio"
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
 """Twilio sends `connected` and `start` as soon as the socket opens; a socket without them is not Twilio."""
@@ -92,8 +95,10 @@ class TwilioSettings:
 class TwilioConnection:
     """One Twilio stream: the guard's messages -> `Session`; its events -> frames (one sender at a time)."""
 
-    def __init__(self, websocket: WebSocket, settings: TwilioSettings) -> None:
-        self.websocket, self.settings = websocket, settings
+    def __init__(
+        self, websocket: WebSocket, settings: TwilioSettings, guard: SessionGuard, metrics: ConnectionMetrics,
+    ) -> None:
+        self.websocket, self.settings, self.gate_guard, self.metrics = websocket, settings, guard, metrics
         self.guard = TwilioStreamGuard()
         self.tracker = PlaybackTracker()
         self.encoder = TwilioAudioEncoder(TWILIO_SAMPLE_RATE)
@@ -116,7 +121,6 @@ class TwilioConnection:
         return sid
 
     async def serve(self, coordinator: Any) -> None:
-        await self.websocket.accept()
         try:
             start = await asyncio.wait_for(self._receive_start(), START_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -158,7 +162,7 @@ class TwilioConnection:
         """The next message the guard accepts; None when the socket ended (closed here on a fatal error)."""
         while True:
             try:
-                frame = await self.websocket.receive()
+                frame = await self.gate_guard.receive()
             except WebSocketDisconnect:
                 frame = {"type": "websocket.disconnect"}
             if frame["type"] == "websocket.disconnect":
@@ -168,6 +172,7 @@ class TwilioConnection:
             message = self.guard.receive(raw if raw is not None else frame.get("bytes") or b"")
             if not isinstance(message, TwilioProtocolError):
                 return message
+            self.metrics.protocol_error(message.reason.split(":")[0][:40])
             if message.close_code is not None:
                 await self._close(message.close_code, message.reason)
                 return None
@@ -179,6 +184,7 @@ class TwilioConnection:
                 return
             if isinstance(message, TwilioMedia):
                 await session.on_audio(message.pcm16())
+                self.metrics.count_barge_ins(session)
             elif isinstance(message, TwilioMark):
                 # NOTE: only an echo that moved the played position can change what was heard.
                 if self.tracker.on_mark(message.name):
@@ -191,7 +197,14 @@ class TwilioConnection:
     # -- session events -> Twilio ----------------------------------------------------------------------
 
     async def emit(self, event: SessionEvent) -> None:
-        self._notify(event)
+        # NOTE: the listener hears of an event once it has been handled (e.g. a reply's tail sent).
+        try:
+            await self._handle(event)
+        finally:
+            self._notify(event)
+            self.metrics.observe(event)
+
+    async def _handle(self, event: SessionEvent) -> None:
         if isinstance(event, SpeechStarted):
             await self._on_speech_started()
         elif isinstance(event, ResponseStarted):
@@ -252,12 +265,11 @@ class TwilioConnection:
     async def _send(self, messages: list[str]) -> None:
         if not self.is_open or not messages:
             return
-        try:
-            async with self._send_lock:
-                for text in messages:
-                    await self.websocket.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError):
-            self.is_open = False  # NOTE: the caller is gone; the receive loop ends the session
+        async with self._send_lock:
+            for text in messages:
+                if not await self.gate_guard.send_text(text):
+                    self.is_open = False  # NOTE: the caller is gone (or was dropped); the receive loop ends the session
+                    return
 
     def _notify(self, event: SessionEvent | TwilioDtmf) -> None:
         listener, start = self.settings.listener, self.guard.start
@@ -270,11 +282,21 @@ class TwilioConnection:
 
     async def _close(self, code: int, reason: str) -> None:
         self.is_open = False
-        with contextlib.suppress(RuntimeError, OSError):  # NOTE: the client may have closed first
-            await self.websocket.close(code, reason=reason[:120])
+        await self.gate_guard.close(code, reason, label="protocol" if code != 1000 else "stop")
 
 
 async def twilio_ws(websocket: WebSocket) -> None:
-    settings = getattr(websocket.app.state, "twilio", None) or TwilioSettings()
-    await TwilioConnection(websocket, settings).serve(websocket.app.state.coordinator)
+    state = websocket.app.state
+    settings = getattr(state, "twilio", None) or TwilioSettings()
+    if settings.token is None and state.sessions.limits.auth_token is not None:
+        # NOTE: the server's token protects calls too; Twilio carries it in `start.customParameters`.
+        settings = dataclasses.replace(settings, token=state.sessions.limits.auth_token)
+    # NOTE: no bearer check at the handshake: Twilio sends no header of ours; `start` is checked instead.
+    guard = await state.sessions.admit(websocket, ENDPOINT, is_bearer_auth=False)
+    if guard is None:
+        return
+    try:
+        await TwilioConnection(websocket, settings, guard, state.metrics.track(ENDPOINT)).serve(state.coordinator)
+    finally:
+        await guard.release()
 
