@@ -95,7 +95,8 @@ def stream_audio(ws: ClientConnection, signal: np.ndarray, pace: float = 1.0) ->
 
 
 def events_until(ws: ClientConnection, kind: str, timeout: float = 10.0) -> tuple[list[dict[str, Any]], int]:
-    """JSON events up to and including the first of `kind`, and the audio bytes received meanwhile."""
+    """JSON events up to and including the first of `kind`, and the audio bytes received meanwhile
+    (each event gets `audio_before`: the audio bytes received before it, and `at`: when it came)."""
     events, num_audio_bytes = [], 0
     deadline = time.monotonic() + timeout
     while True:
@@ -103,6 +104,7 @@ def events_until(ws: ClientConnection, kind: str, timeout: float = 10.0) -> tupl
         if isinstance(message, bytes):
             num_audio_bytes += len(message)
             continue
-        events.append(json.loads(message))
-        if events[-1]["type"] == kind:
+        event = json.loads(message)
+        events.append({**event, "audio_before": num_audio_bytes, "at": time.monotonic()})
+        if event["type"] == kind:
             return events, num_audio_bytes

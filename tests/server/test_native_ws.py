@@ -10,53 +10,21 @@ import json
 import time
 from typing import Any
 
-import numpy as np
 import pytest
+from live_server import (
+    RATE,
+    events_until,
+    stream_audio,
+)
+from live_server import open_session as live_open_session
 from session_server import SessionServer
 from speech_signals import signal_of
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
-from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
-
-RATE = 16000
-CHUNK_MS = 20
-
 
 def open_session(server: SessionServer, **start: Any) -> ClientConnection:
-    ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
-    ws.send(json.dumps({"type": "session.start", "input_rate": RATE, "output_rate": 24000,
-                        "params": {"sampling": {"max_tokens": 12}}, **start}))
-    assert json.loads(ws.recv(5))["type"] == "session.started"
-    return ws
-
-
-def stream_audio(ws: ClientConnection, signal: np.ndarray, pace: float = 1.0) -> None:
-    """Send `signal` in 20 ms frames at `pace` x real time."""
-    pcm = float32_to_pcm16(signal)
-    step = RATE * CHUNK_MS // 1000
-    start = time.monotonic()
-    for i in range(0, len(pcm), step):
-        ws.send(pcm16_to_bytes(pcm[i:i + step]))
-        delay = start + (i + step) / RATE / pace - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-
-
-def events_until(ws: ClientConnection, kind: str, timeout: float = 10.0) -> tuple[list[dict[str, Any]], int]:
-    """JSON events up to and including the first of `kind`, and the audio bytes received meanwhile
-    (each event gets `audio_before`: the audio bytes received before it, and `at`: when it came)."""
-    events, num_audio_bytes = [], 0
-    deadline = time.monotonic() + timeout
-    while True:
-        message = ws.recv(max(0.01, deadline - time.monotonic()))
-        if isinstance(message, bytes):
-            num_audio_bytes += len(message)
-            continue
-        event = json.loads(message)
-        events.append({**event, "audio_before": num_audio_bytes, "at": time.monotonic()})
-        if event["type"] == kind:
-            return events, num_audio_bytes
+    return live_open_session(f"ws://127.0.0.1:{server.port}/ws", **start)
 
 
 def test_a_spoken_turn_gets_a_spoken_reply_and_the_next_turn_sees_it(server: SessionServer) -> None:

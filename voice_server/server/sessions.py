@@ -21,10 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 from collections.abc import Callable
 from typing import Any
 
-from starlette.websockets import WebSocket, WebSocketState
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from voice_server.server.metrics import Metrics
 from voice_server.server.session_limits import (
@@ -38,10 +39,12 @@ from voice_server.server.session_limits import (
 )
 
 log = logging.getLogger("voice_server.sessions")
+
 _CLOSE_WAIT_S = 1.0
 """How long a close frame may wait for room in the send buffer before the connection is dropped."""
-_SEND_ERRORS = (RuntimeError, OSError, ConnectionError)
-"""What a send to a connection that is gone raises (starlette, uvicorn's ClientDisconnected is an OSError)."""
+_SEND_ERRORS = (RuntimeError, OSError, ConnectionError, WebSocketDisconnect)
+"""What a send to a connection that is gone raises (starlette's WebSocketDisconnect, uvicorn's
+ClientDisconnected is an OSError)."""
 
 
 class SessionGate:
@@ -134,7 +137,14 @@ class SessionGuard:
             return False
         timeout_s = self.gate.limits.send_timeout_s
         try:
-            await asyncio.wait_for(self.websocket.send(message), timeout_s)
+            # NOTE: a timeout scope, not `wait_for`: wait_for runs the send in a task of its own, and the
+            # ASGI sends of one connection must stay in order in the caller's task (a send still pending
+            # in its own task after a cancel could race the next one).
+            if sys.version_info >= (3, 11):
+                async with asyncio.timeout(timeout_s):
+                    await self.websocket.send(message)
+            else:  # pragma: no cover - Python 3.10
+                await asyncio.wait_for(self.websocket.send(message), timeout_s)
         except asyncio.TimeoutError:
             # NOTE: a close frame would queue behind the unread data, so the connection is dropped.
             self._drop(f"client too slow: a send waited more than {timeout_s:g} s", "slow_client")
