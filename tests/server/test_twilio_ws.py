@@ -118,7 +118,9 @@ def test_speaking_over_the_reply_clears_it_and_keeps_only_what_was_played(
     # caller's own view adds the VAD's documented start latency (200 ms) to that.
     speech_started_at = calls.of(phone, SpeechStarted)[1][0]
     [(clear_at, played_at_clear)] = phone.clears
-    assert 0 <= clear_at - speech_started_at < 0.1, clear_at - speech_started_at
+    # NOTE: the listener hears of an event after the endpoint handled it (the clear is already on the
+    # wire), so the clear may even arrive first: within 100 ms either way.
+    assert abs(clear_at - speech_started_at) < 0.1, clear_at - speech_started_at
     assert clear_at - onset < 0.2 + 0.2, clear_at - onset
     assert not [at for at, _ in phone.media if clear_at < at < second_at], "no audio of the cleared reply"
 
