@@ -123,3 +123,21 @@ def test_a_client_that_vanishes_mid_response_frees_the_stage(server: SessionServ
     ws.recv(5)
     ws.socket.close()  # NOTE: no close frame: the TCP connection just ends
     server.wait_idle()
+
+
+def test_speaking_over_a_reply_that_is_still_playing_keeps_only_what_was_played(server: SessionServer) -> None:
+    # NOTE: generation runs faster than real time: the reply is complete at the server while the
+    # client is still playing it; the playback report says how much was heard when the user speaks.
+    ws = open_session(server)
+    ws.send(json.dumps({"type": "text", "text": "a short answer please"}))
+    events, _ = events_until(ws, "response_done")
+    reply = events[-1]
+    assert reply["status"] == "completed" and reply["audio_ms"] == 12 * 80
+    ws.send(json.dumps({"type": "playback", "played_ms": 320}))
+    stream_audio(ws, signal_of(RATE, ("voice", 600), ("noise", 700)), pace=1.0)
+    events, _ = events_until(ws, "response_done")
+    truncated = [e for e in events if e["type"] == "item_truncated"]
+    assert [(e["item_id"], e["audio_end_ms"]) for e in truncated] == [(reply["item_id"], 320)]
+    # 320 ms of 80 ms words: about 4 words (lengths differ: 3-4) kept for the next turn.
+    assert events[-1]["text"].split()[0] == "m3a1" and events[-1]["text"].split()[1] in ("p3", "p4")
+    ws.close()

@@ -91,7 +91,7 @@ class Session:
             if isinstance(event, VadStarted):
                 self._turn_item_id, self._turn_start_ms = new_id("item"), event.audio_start_ms
                 await self.emit(SpeechStarted(self._turn_item_id, event.audio_start_ms))
-                if self._is_responding() and self.detector.config.interrupt_response:
+                if self.detector.config.interrupt_response:
                     await self.barge_in()
             else:
                 item_id = self._turn_item_id or new_id("item")
@@ -207,15 +207,29 @@ class Session:
     async def barge_in(self) -> None:
         """The user speaks over the response: cancel it and keep only what the client played (its
         last playback report; without one, all the audio sent). The truncation comes before the
-        cancelled `ResponseDone`, which then reports what was heard."""
+        cancelled `ResponseDone`, which then reports what was heard.
+
+        A response that finished generating may still be playing (generation runs faster than real
+        time): with a playback report short of its audio, its item is cut to what was played too."""
         run = await self._stop()
         if run is None:
+            await self._cut_to_played()
             return
         self.num_barge_ins += 1
         heard = run.item.num_audio_ms if self.played_ms is None else min(self.played_ms, run.item.num_audio_ms)
         self.conversation.truncate(run.item.item_id, heard)
         await self.emit(ItemTruncated(run.item.item_id, heard))
         await self._done(run, "cancelled")
+
+    async def _cut_to_played(self) -> None:
+        run, played = self._run, self.played_ms
+        if run is None or played is None or run.item.status == "in_progress" or played >= run.item.num_audio_ms:
+            return
+        if self.conversation.get(run.item.item_id) is None:
+            return  # NOTE: the client deleted the item meanwhile
+        self.num_barge_ins += 1
+        self.conversation.truncate(run.item.item_id, played)
+        await self.emit(ItemTruncated(run.item.item_id, played))
 
     async def _stop(self) -> ResponseRun | None:
         task, run = self._response, self._run
