@@ -12,15 +12,12 @@ with its output, which is recomputed on resume (so it continues with the same to
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
+from voice_server.scheduling.ar_input import apply_chunk, new_request
 from voice_server.scheduling.ar_request import Request
-from voice_server.scheduling.ar_stop import StopChecker
 from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
-from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SamplingParams, SeqOutput
+from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
 from voice_server.scheduling.pages import PageAllocator, PageKey, PrefixCache
-
-_MAX_TOKEN_ID = 2**63
 
 
 class ARScheduler(BaseScheduler[ARBatch, ARResult]):
@@ -52,15 +49,7 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         if item.kind is WorkKind.NEW:
             if rid in self._requests:
                 raise ValueError(f"request {rid} is already in this stage")
-            sampling = SamplingParams.from_params(item.params)
-            token_ids = _read_token_ids(item.payload, is_required=not item.is_stream)
-            if not item.is_stream and not token_ids:
-                raise ValueError("payload.token_ids: the prompt is empty")
-            stop = StopChecker(sampling, self.spec.eos_token_ids, self.spec.max_model_len)
-            fresh = Request(rid, sampling, stop, [], is_input_done=not item.is_stream)
-            fresh.num_cacheable_tokens = _read_count(item.payload, "num_cacheable_tokens", None)
-            fresh.max_num_outputs = _read_count(item.payload, "max_num_outputs", None)
-            self._extend(fresh, token_ids)
+            fresh = new_request(item, self.spec, self._extend)
             self._requests[rid] = fresh
             self._waiting.append(fresh)
             return
@@ -68,34 +57,13 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         if request is None:
             return  # late input of a request that already left (finished, aborted or failed)
         if item.kind is WorkKind.CHUNK:
-            self._on_chunk(request, item.payload)
+            apply_chunk(request, item.payload, self._extend)
         elif request.is_input_done:
             raise ValueError(f"request {rid}: done after its input ended")
         elif request.num_tokens == 0:
             raise ValueError(f"request {rid}: input ended with no prompt tokens")
         else:
             request.is_input_done = True
-
-    def _on_chunk(self, request: Request, payload: dict[str, Any]) -> None:
-        """Prompt tokens (`token_ids`, before any output), the end of the prompt (`is_input_done`),
-        and a raised output limit (`max_num_outputs`: an int that never decreases, or None = off)."""
-        token_ids = _read_token_ids(payload, is_required=False)
-        if token_ids or payload.get("is_input_done"):
-            if request.is_input_done:
-                raise ValueError(f"request {request.request_id}: prompt input after its input ended")
-            self._extend(request, token_ids)
-        if payload.get("is_input_done"):
-            if request.num_tokens == 0:
-                raise ValueError(f"request {request.request_id}: input ended with no prompt tokens")
-            request.is_input_done = True
-        if "max_num_outputs" in payload:
-            limit = _read_count(payload, "max_num_outputs", None)
-            if limit is not None and request.max_num_outputs is not None and limit < request.max_num_outputs:
-                raise ValueError(f"payload.max_num_outputs: lowered from {request.max_num_outputs} to {limit}")
-            if request.max_num_outputs is not None:
-                request.max_num_outputs = limit
-        if not {"token_ids", "is_input_done", "max_num_outputs"} & payload.keys():
-            raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
 
     def _extend(self, request: Request, token_ids: list[int]) -> None:
         num_tokens = request.num_tokens + len(token_ids)
@@ -331,20 +299,3 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
             "num_prefix_query_tokens": self.cache.num_query_tokens,
         }
 
-
-def _read_count(payload: dict[str, Any], key: str, default: int | None) -> int | None:
-    value = payload.get(key, default)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"payload.{key}: must be null or an integer >= 0, got {value!r}")
-    return value
-
-
-def _read_token_ids(payload: dict[str, Any], is_required: bool) -> list[int]:
-    raw = payload.get("token_ids")
-    if raw is None and not is_required:
-        return []
-    if not isinstance(raw, (list, tuple)) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_TOKEN_ID for t in raw
-    ):
-        raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
-    return list(raw)

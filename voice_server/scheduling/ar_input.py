@@ -1,0 +1,77 @@
+"""What an AR request's input items say, read into its `Request`: the NEW item and each CHUNK.
+
+- NEW: `payload.token_ids` (the prompt; empty for a stream whose prompt comes in chunks),
+  `num_cacheable_tokens` (leading tokens the prefix cache may serve and fill; null: all) and
+  `max_num_outputs` (the output limit of a feedback stage; null: none), `params.sampling`.
+- CHUNK: prompt `token_ids` (before any output), `is_input_done` (the prompt is whole; DONE says the
+  same), and a raised `max_num_outputs` (never lowered; null lifts it).
+
+Malformed input raises ValueError naming the field; the shell then refuses the request alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from voice_server.scheduling.ar_request import Request
+from voice_server.scheduling.ar_stop import StopChecker
+from voice_server.scheduling.base import WorkItem
+from voice_server.scheduling.contract import ARSpec, SamplingParams
+
+_MAX_TOKEN_ID = 2**63
+Extend = Callable[[Request, list[int]], None]
+
+
+def new_request(item: WorkItem, spec: ARSpec, extend: Extend) -> Request:
+    """The `Request` of a NEW item (its prompt added through `extend`, which checks the limits)."""
+    sampling = SamplingParams.from_params(item.params)
+    token_ids = read_token_ids(item.payload, is_required=not item.is_stream)
+    if not item.is_stream and not token_ids:
+        raise ValueError("payload.token_ids: the prompt is empty")
+    stop = StopChecker(sampling, spec.eos_token_ids, spec.max_model_len)
+    request = Request(item.request_id, sampling, stop, [], is_input_done=not item.is_stream)
+    request.num_cacheable_tokens = read_count(item.payload, "num_cacheable_tokens")
+    request.max_num_outputs = read_count(item.payload, "max_num_outputs")
+    extend(request, token_ids)
+    return request
+
+
+def apply_chunk(request: Request, payload: dict[str, Any], extend: Extend) -> None:
+    """Prompt tokens (`token_ids`, before any output), the end of the prompt (`is_input_done`),
+    and a raised output limit (`max_num_outputs`: an int that never decreases, or None = off)."""
+    token_ids = read_token_ids(payload, is_required=False)
+    if token_ids or payload.get("is_input_done"):
+        if request.is_input_done:
+            raise ValueError(f"request {request.request_id}: prompt input after its input ended")
+        extend(request, token_ids)
+    if payload.get("is_input_done"):
+        if request.num_tokens == 0:
+            raise ValueError(f"request {request.request_id}: input ended with no prompt tokens")
+        request.is_input_done = True
+    if "max_num_outputs" in payload:
+        limit = read_count(payload, "max_num_outputs")
+        if limit is not None and request.max_num_outputs is not None and limit < request.max_num_outputs:
+            raise ValueError(f"payload.max_num_outputs: lowered from {request.max_num_outputs} to {limit}")
+        if request.max_num_outputs is not None:
+            request.max_num_outputs = limit
+    if not {"token_ids", "is_input_done", "max_num_outputs"} & payload.keys():
+        raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
+
+
+def read_count(payload: dict[str, Any], key: str) -> int | None:
+    value = payload.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"payload.{key}: must be null or an integer >= 0, got {value!r}")
+    return value
+
+
+def read_token_ids(payload: dict[str, Any], is_required: bool) -> list[int]:
+    raw = payload.get("token_ids")
+    if raw is None and not is_required:
+        return []
+    if not isinstance(raw, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < _MAX_TOKEN_ID for t in raw
+    ):
+        raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
+    return list(raw)
