@@ -14,9 +14,9 @@ decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), se
   session's played position (`Session.on_playback`), so a barge-in keeps what the caller heard.
 - Barge-in: `SpeechStarted` while a response runs or its audio still plays sends `clear` at once (from
   inside the session's event, before the session cancels the response) and writes off the unplayed
-  audio (`PlaybackTracker.on_clear`). NOTE: the Session cancels and truncates only a response that is
-  still generating; a finished one (generation runs faster than real time) may still be playing at
-  Twilio, so the endpoint truncates it itself to what was heard (`Session.truncate`).
+  audio (`PlaybackTracker.on_clear`). The Session then cuts the item to what the caller heard (the
+  echoed marks it was given), also when generation had already finished (it runs faster than real
+  time) and the audio was still playing at Twilio.
 - `dtmf` is logged and given to `settings.listener`, which also sees every session event (transcripts,
   call analytics: Twilio has no text channel). `stop` or a dropped socket ends the session: the running
   response is aborted in every stage (`Session.close`).
@@ -107,12 +107,8 @@ class TwilioConnection:
         self._send_lock = asyncio.Lock()
         self._response_id: str | None = None
         """The response running in the session (between `ResponseStarted` and `ResponseDone`)."""
-        self._last_item_id: str | None = None
-        """The assistant item whose audio was sent last (it may still be playing at Twilio)."""
         self._cleared_response_id: str | None = None
         """A response whose audio was cleared: what it still emits before the cancel lands is dropped."""
-        self._heard_at_clear_ms = 0
-        """How much of the current response the caller had heard when its audio was cleared."""
 
     @property
     def stream_sid(self) -> str:
@@ -208,7 +204,7 @@ class TwilioConnection:
         if isinstance(event, SpeechStarted):
             await self._on_speech_started()
         elif isinstance(event, ResponseStarted):
-            self._response_id, self._last_item_id = event.response_id, event.item_id
+            self._response_id = event.response_id
             self.tracker.start_response()
             self.encoder.reset()
             assert self.session is not None
@@ -221,10 +217,6 @@ class TwilioConnection:
             self._response_id = None
             if event.response_id != self._cleared_response_id:
                 await self._send_audio(self.encoder.flush(), is_last=True)
-            elif event.status != "cancelled":
-                # NOTE: it ended on its own while the clear was being written, so the Session had no
-                # response left to barge in on: cut the item here.
-                await self._truncate(event.item_id, self._heard_at_clear_ms)
 
     async def _on_speech_started(self) -> None:
         session = self.session
@@ -236,20 +228,8 @@ class TwilioConnection:
         # NOTE: before any await: the response may emit audio while the clear is being written.
         self._cleared_response_id = self._response_id
         self.encoder.reset()
-        self._heard_at_clear_ms = int(self.tracker.on_clear())
+        self.tracker.on_clear()
         await self._send([build_clear_message(self.stream_sid)])
-        if not is_running and self._last_item_id is not None:
-            # NOTE: generation had finished (faster than real time) but its audio was still playing:
-            # the Session no longer barges in on it, so the endpoint cuts the item to what was heard.
-            await self._truncate(self._last_item_id, self._heard_at_clear_ms)
-
-    async def _truncate(self, item_id: str, heard_ms: int) -> None:
-        assert self.session is not None
-        self._last_item_id = None
-        try:
-            await self.session.truncate(item_id, heard_ms)
-        except ValueError as exc:  # NOTE: the item left the history (a very long call)
-            log.info("twilio stream %s: not truncated: %s", self.stream_sid, exc)
 
     async def _send_audio(self, frames: list[bytes], *, is_last: bool) -> None:
         messages = []
