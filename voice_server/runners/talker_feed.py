@@ -61,11 +61,11 @@ class TalkerFeed:
             if missing:
                 raise AdmissionError(f"chunk payload: the first thinker chunk lacks {', '.join(missing)}")
             self.prompt_ids = _ids("chunk payload.prompt_ids", payload["prompt_ids"])
-            self.prompt_embeds = _rows("chunk payload.prompt_embeds", payload["prompt_embeds"], hidden_size,
+            self.prompt_embeds = float_rows("chunk payload.prompt_embeds", payload["prompt_embeds"], hidden_size,
                                        len(self.prompt_ids))
-            self.mm_hidden = _rows("chunk payload.mm_hidden", payload["mm_hidden"], hidden_size, None)
-            self.tts_embeds = _rows("chunk payload.tts_embeds", payload["tts_embeds"], hidden_size, 3)
-        self.reply_embeds.append(_rows("chunk payload.embed", payload.get("embed"), hidden_size, 1)[0])
+            self.mm_hidden = float_rows("chunk payload.mm_hidden", payload["mm_hidden"], hidden_size, None)
+            self.tts_embeds = float_rows("chunk payload.tts_embeds", payload["tts_embeds"], hidden_size, 3)
+        self.reply_embeds.append(float_rows("chunk payload.embed", payload.get("embed"), hidden_size, 1)[0])
 
     def advance(self, talker: Talker, ids: TurnTokenIds) -> list[int] | None:
         """Build the prefill and text vectors the received input allows; the prefill's placeholder
@@ -137,7 +137,3 @@ def _ids(where: str, value: Any) -> list[int]:
     if not isinstance(value, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise AdmissionError(f"{where}: must be a list of token ids")
     return list(value)
-
-
-def _rows(where: str, value: Any, hidden_size: int, num_rows: int | None) -> torch.Tensor:
-    return float_rows(where, value, hidden_size, num_rows)
