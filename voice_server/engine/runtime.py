@@ -27,6 +27,16 @@ class StageContext:
     def args(self) -> dict[str, Any]:
         return self.stage.factory_args
 
+    def memory_budget_bytes(self) -> int:
+        """`budget_bytes`, or for a GPU stage its `memory_fraction` of the device's memory (read here,
+        in the stage process: the server process never imports torch)."""
+        if self.budget_bytes is not None:
+            return self.budget_bytes
+        import torch
+
+        total = torch.cuda.get_device_properties(torch.device(self.stage.device)).total_memory
+        return int(total * self.stage.memory_fraction)
+
 
 def create_scheduler(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
     build = SCHEDULER_BUILDERS.get(stage.scheduler)

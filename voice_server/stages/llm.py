@@ -95,11 +95,8 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
         model.use_column_major_weights()
     log.info("stage %s: %s, weights %s, activations %s", stage.name, args.get("model", "smollm2"), quantization,
              str(dtype).removeprefix("torch."))
-    budget = ctx.budget_bytes
-    if budget is None:
-        budget = int(torch.cuda.get_device_properties(device).total_memory * stage.memory_fraction)
     config = DecoderRunnerConfig(
-        budget_bytes=budget,
+        budget_bytes=ctx.memory_budget_bytes(),
         page_size=page_size,
         max_model_len=max_model_len,
         max_step_tokens=stage.max_step_tokens,

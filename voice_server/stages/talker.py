@@ -16,8 +16,6 @@ effect here: talker inputs are embeddings, so equal ids need not mean equal keys
 
 from __future__ import annotations
 
-import torch
-
 from voice_server.config.errors import ConfigError, fail, show
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.talker.model import Talker
@@ -55,10 +53,7 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
         raise fail(args.where, "factory_args.speaker", f"must be one of {', '.join(names)}, got {show(speaker)}")
     model = args.load("talker")
     assert isinstance(model, Talker)
-    budget = ctx.budget_bytes
-    if budget is None:
-        budget = int(torch.cuda.get_device_properties(torch.device(ctx.stage.device)).total_memory
-                     * ctx.stage.memory_fraction)
+    budget = ctx.memory_budget_bytes()
     try:
         config = TalkerRunnerConfig(
             budget_bytes=budget,

@@ -11,8 +11,6 @@ only: audio goes with `token_ids` and its audio blocks) and text deltas stream o
 
 from __future__ import annotations
 
-import torch
-
 from voice_server.config.errors import ConfigError, fail, show
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
@@ -36,10 +34,7 @@ def create_thinker(ctx: StageContext) -> ThinkerRunner:
         raise fail(args.where, "factory_args.sampling", str(exc)) from exc
     model = args.load("thinker")
     assert isinstance(model, ThinkerModel)
-    budget = ctx.budget_bytes
-    if budget is None:
-        budget = int(torch.cuda.get_device_properties(torch.device(ctx.stage.device)).total_memory
-                     * ctx.stage.memory_fraction)
+    budget = ctx.memory_budget_bytes()
     config = DecoderRunnerConfig(
         budget_bytes=budget,
         page_size=args.int_arg("page_size", 16, minimum=1) or 16,
