@@ -56,6 +56,12 @@ class OmniArgs:
             torch.cuda.empty_cache()
         return module
 
+    def flag_arg(self, key: str, default: bool) -> bool:
+        value = self.extra.get(key, default)
+        if not isinstance(value, bool):
+            raise fail(self.where, f"factory_args.{key}", f"must be true or false, got {show(value)}")
+        return value
+
     def int_arg(self, key: str, default: int | None, minimum: int) -> int | None:
         value = self.extra.get(key, default)
         if value is None:

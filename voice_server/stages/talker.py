@@ -39,9 +39,7 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
     cuda_graphs = args.extra.get("cuda_graphs", "auto")
     if cuda_graphs not in ("auto", "on", "off"):
         raise fail(args.where, "factory_args.cuda_graphs", f"must be auto, on or off, got {show(cuda_graphs)}")
-    is_compiled = args.extra.get("compile", False)
-    if not isinstance(is_compiled, bool):
-        raise fail(args.where, "factory_args.compile", f"must be true or false, got {show(is_compiled)}")
+    is_compiled = args.flag_arg("compile", False)
     buckets = args.extra.get("graph_buckets", list(DEFAULT_BUCKETS))
     if not isinstance(buckets, list) or not buckets or any(
             isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1024 for b in buckets):

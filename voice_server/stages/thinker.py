@@ -11,7 +11,7 @@ only: audio goes with `token_ids` and its audio blocks) and text deltas stream o
 
 from __future__ import annotations
 
-from voice_server.config.errors import ConfigError, fail, show
+from voice_server.config.errors import ConfigError, fail
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.runners.ar_runner import DecoderRunnerConfig
@@ -25,9 +25,7 @@ OWN_ARGS = ("page_size", "max_model_len", "sampler_seed", "batch_invariant", "sa
 
 def create_thinker(ctx: StageContext) -> ThinkerRunner:
     args = read_omni_args(ctx, OWN_ARGS)
-    is_batch_invariant = args.extra.get("batch_invariant", True)
-    if not isinstance(is_batch_invariant, bool):
-        raise fail(args.where, "factory_args.batch_invariant", f"must be true or false, got {show(is_batch_invariant)}")
+    is_batch_invariant = args.flag_arg("batch_invariant", True)
     try:
         sampling = SamplingParams.from_params({"sampling": args.extra.get("sampling") or {}})
     except ValueError as exc:
