@@ -71,3 +71,39 @@ def test_length_limits_flush_held_text() -> None:
     assert feed(stop, [(5, "a"), (6, "x")]) == (["a", "x"], "length")
     by_model = StopChecker(SamplingParams(), (), max_model_len=12)
     assert [by_model.append(5, "a", n).finish_reason for n in (10, 11, 12)] == [None, None, "length"]
+
+
+def test_max_sentences_stops_once_the_last_sentence_is_known_to_end() -> None:
+    stop = checker(max_sentences=2)
+    pieces = [(5, "Paris is"), (6, " 3.5 km."), (7, " It is"), (8, " old!"), (9, " And"), (10, " more.")]
+    deltas, reason = feed(stop, pieces)
+    # NOTE: "3.5" ends nothing; " And" shows the second sentence ended, and is itself not returned.
+    assert reason == "stop" and stop.text == "Paris is 3.5 km. It is old!"
+    assert "".join(deltas) == stop.text and len(deltas) == 5
+
+
+def test_max_sentences_counts_closing_quotes_and_newlines() -> None:
+    stop = checker(max_sentences=1)
+    deltas, reason = feed(stop, [(5, 'He said "hi."'), (6, "\nNext")])
+    assert reason == "stop" and stop.text == 'He said "hi."'
+
+
+def test_stop_repeat_len_ends_a_looping_reply() -> None:
+    stop = checker(stop_repeat_len=3)
+    tokens = [11, 12, 13, 14, 11, 12, 13, 99]
+    deltas, reason = feed(stop, [(t, f" w{t}") for t in tokens])
+    # NOTE: the 3-gram 11 12 13 recurs at the 7th token: the reply ends there.
+    assert reason == "stop" and len(deltas) == 7
+
+
+def test_guardrails_off_by_default_and_validated() -> None:
+    stop = checker()
+    deltas, reason = feed(stop, [(11, "A. "), (12, "B. "), (11, "A. "), (12, "B. ")])
+    assert reason is None and stop.text == "A. B. A. B. "
+    for bad in ({"max_sentences": -1}, {"stop_repeat_len": 1.5}, {"max_sentences": True}):
+        try:
+            SamplingParams.from_params({"sampling": bad})
+        except ValueError as exc:
+            assert next(iter(bad)) in str(exc)
+        else:
+            raise AssertionError(f"{bad} accepted")

@@ -122,6 +122,7 @@ PIPELINE_RULES: dict[str, Rule] = {
     "inline_threshold_bytes": Number(int, minimum=0),
     "relay_slab_bytes": Number(int, minimum=1 << 16),
     "control_transport": Choice(("ipc", "tcp")),
+    "stream_input": Flag(),
     "tcp_host": Text(),
     "max_inflight_requests": Number(int, minimum=1, is_nullable=True),
     "max_relay_bytes": Number(int, minimum=1 << 16, is_nullable=True),
@@ -141,6 +142,10 @@ class PipelineConfig:
     stages: tuple[StageConfig, ...]
     entry: str = ""
     """Stage that receives new requests; defaults to the first stage."""
+    stream_input: bool = False
+    """The entry stage takes a spoken turn while the user speaks (a transcriber): the session opens
+    the turn's request at speech start and streams its audio (`{"audio"}` chunks, 16 kHz float32),
+    ending the stream at the end of the turn. False: a request carries whole turns."""
     startup_timeout_s: float = 120.0
     """How long a stage process may take to load and report ready."""
     inline_threshold_bytes: int = 16384

@@ -1,7 +1,8 @@
 """Stop conditions of one AR request, and the text it may stream so far.
 
 Checked after each sampled token, in this order: a stop token (EOS unless `ignore_eos`, or one of
-`stop_token_ids`), a stop string in the accumulated text, then `max_tokens` and `max_model_len`.
+`stop_token_ids`), a stop string in the accumulated text, the speech guardrails (`max_sentences`,
+`stop_repeat_len`), then `max_tokens` and `max_model_len`.
 
 Stop strings: the output ends before the first match, which is not returned. A match may span
 tokens, so the text's longest suffix that could still grow into a stop string is held back from
@@ -10,12 +11,16 @@ the stream until the next token decides it; a stream never shows text the result
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from voice_server.scheduling.contract import SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+_SENTENCE_END = re.compile(r"[.!?]+[\"')\]]*(?=\s)")
+"""End of a sentence: its punctuation, closing quotes or brackets, then whitespace (so the end is
+known one token late, and "3.5" or "e.g.x" never ends one)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,12 @@ class StopChecker:
         self._num_final_chars = 0
         """Chars of `_text` already streamed; the rest is held back."""
         self.num_output_tokens = 0
+        self._max_sentences = sampling.max_sentences
+        self._num_sentences = 0
+        self._sentence_scan_pos = 0
+        self._repeat_len = sampling.stop_repeat_len
+        self._output_ids: list[int] = []
+        self._seen_ngrams: set[tuple[int, ...]] = set()
 
     @property
     def text(self) -> str:
@@ -54,8 +65,12 @@ class StopChecker:
             return self._finish(FINISH_STOP)
         self._text += text
         match = self._find_stop()
+        if match is None and self._max_sentences:
+            match = self._find_sentence_limit()
         if match is not None:
             self._text = self._text[:match]
+            return self._finish(FINISH_STOP)
+        if self._repeat_len and self._is_repeating(token_id):
             return self._finish(FINISH_STOP)
         if self.num_output_tokens >= self._max_tokens or num_seq_tokens >= self._max_model_len:
             return self._finish(FINISH_LENGTH)
@@ -74,6 +89,27 @@ class StopChecker:
         # was held back. So only the held-back part plus the new text is searched.
         found = [i for s in self._stop_strings if (i := self._text.find(s, self._num_final_chars)) >= 0]
         return min(found) if found else None
+
+    def _find_sentence_limit(self) -> int | None:
+        """Where the text ends after `max_sentences` sentences, once the last one is known to end."""
+        for match in _SENTENCE_END.finditer(self._text, self._sentence_scan_pos):
+            self._num_sentences += 1
+            self._sentence_scan_pos = match.end()
+            if self._num_sentences >= self._max_sentences:
+                return match.end()
+        return None
+
+    def _is_repeating(self, token_id: int) -> bool:
+        # NOTE: small models loop ("the capital of France is Paris. The capital of France is ...");
+        # a spoken reply must end rather than repeat itself until max_tokens.
+        self._output_ids.append(token_id)
+        if len(self._output_ids) < self._repeat_len:
+            return False
+        ngram = tuple(self._output_ids[-self._repeat_len:])
+        if ngram in self._seen_ngrams:
+            return True
+        self._seen_ngrams.add(ngram)
+        return False
 
     def _num_held_chars(self) -> int:
         """Length of the longest unstreamed suffix that is a proper prefix of a stop string."""

@@ -85,6 +85,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Stop tokens besides the model's EOS ids (the stop token is returned, as with EOS)."""
     ignore_eos: bool = False
+    max_sentences: int = 0
+    """Speech guardrail: stop after this many complete sentences (0 = off). A sentence ends at `.`,
+    `!` or `?` followed by whitespace, so "3.5" does not end one; the text after it is not returned."""
+    stop_repeat_len: int = 0
+    """Speech guardrail: stop when the last `stop_repeat_len` output tokens already occurred in the
+    output in that order, i.e. the model started looping (0 = off)."""
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
@@ -112,6 +118,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "must be a list of token ids")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "must be true or false")
+        for name in ("max_sentences", "stop_repeat_len"):
+            if not _is_int(getattr(self, name)) or not 0 <= getattr(self, name) <= 1024:
+                raise bad(name, "must be an integer in [0, 1024]")
 
     @property
     def is_greedy(self) -> bool:

@@ -86,10 +86,20 @@ class Conversation:
             if item.role == "assistant" and not item.text:
                 continue  # NOTE: nothing of it was heard (or it was audio only): it was not said
             message: dict[str, Any] = {"role": item.role, "content": item.text}
-            if item.audio is not None:
+            if item.audio is not None and not (item.role == "user" and item.text):
+                # NOTE: a transcribed turn travels as its transcript: only a pipeline that transcribes
+                # sets one, and it would transcribe the audio again.
                 message["audio"] = item.audio
             messages.append(message)
         return messages
+
+    def last_untranscribed_id(self) -> str:
+        """The last user item that is audio without a transcript ('' if none): what a transcribing
+        pipeline transcribes for the next response."""
+        for item in reversed(self.items):
+            if item.role == "user":
+                return item.item_id if item.audio is not None and not item.text else ""
+        return ""
 
 
 def cut_text(text: str, fraction: float) -> str:

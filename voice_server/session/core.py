@@ -11,6 +11,11 @@ the assistant item to what the client played (its last playback report; without 
 sent) and its text to the words spoken up to there.
 
 One response at a time: a new one cancels the running one (as a barge-in would).
+
+Streamed turns: with a pipeline that transcribes (`PipelineConfig.stream_input`) and server VAD that
+creates responses, a turn's request opens at speech start and its audio (16 kHz float32) streams to
+the entry stage while the user speaks (`OpenTurn`); the end of the turn ends the stream and starts the
+response on the same request, so recognition is done when the user stops rather than starting then.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler, pcm16_to_float32
+from voice_server.engine.requests import RequestError
 from voice_server.session.conversation import SPEECH_RATE, Conversation, Item, new_id
 from voice_server.session.events import (
     InputCommitted,
@@ -62,9 +68,31 @@ class SessionConfig:
             raise ValueError("instructions: must be a string of at most 100000 characters")
 
 
+@dataclass
+class OpenTurn:
+    """A spoken turn whose request is open while the user speaks (`stream_input` pipelines)."""
+
+    run: ResponseRun
+    input: Any
+    """The request's `InputStream`: `send(payload)`, `end()`."""
+    task: asyncio.Task[None]
+    resampler: StreamResampler | None
+    """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
+
+    def send(self, pcm16: npt.NDArray[np.int16]) -> None:
+        audio = pcm16_to_float32(pcm16)
+        if self.resampler is not None:
+            audio = self.resampler.process(audio)
+        if audio.size:
+            self.input.send({"audio": audio})
+
+
 class Session:
     def __init__(self, coordinator: Any, config: SessionConfig, emit: Emit) -> None:
         self.coordinator, self.config, self.emit = coordinator, config, emit
+        self.is_stream_input = bool(getattr(getattr(coordinator, "cfg", None), "stream_input", False))
+        """The pipeline transcribes turns as they are spoken (see the module docstring)."""
+        self._turn: OpenTurn | None = None
         self.conversation = Conversation()
         self.detector = TurnDetector(config.turn_detection, config.input_rate) if config.turn_detection else None
         self._buffer: list[npt.NDArray[np.int16]] = []
@@ -85,6 +113,8 @@ class Session:
         self._buffer.append(pcm16)
         self._num_input_samples += pcm16.size
         self._trim_buffer()
+        if self._turn is not None:
+            self._turn.send(pcm16)
         if self.detector is None:
             return
         for event in self.detector.feed(pcm16):
@@ -93,11 +123,15 @@ class Session:
                 await self.emit(SpeechStarted(self._turn_item_id, event.audio_start_ms))
                 if self.detector.config.interrupt_response:
                     await self.barge_in()
+                if self.is_stream_input and self.detector.config.create_response:
+                    await self._open_turn(self._turn_item_id, event.audio_start_ms)
             else:
                 item_id = self._turn_item_id or new_id("item")
                 await self.emit(SpeechStopped(item_id, event.audio_end_ms))
-                await self._commit_audio(item_id, self._turn_start_ms, event.audio_end_ms)
-                if self.detector.config.create_response:
+                is_committed = await self._commit_audio(item_id, self._turn_start_ms, event.audio_end_ms)
+                if self._turn is not None:
+                    await self._end_turn(is_committed)
+                elif is_committed and self.detector.config.create_response:
                     await self.create_response()
 
     async def commit(self) -> None:
@@ -109,6 +143,7 @@ class Session:
         self._buffer, self._buffer_start_ms = [], self._num_input_samples * 1000 // self.config.input_rate
         if self.detector is not None:
             self.detector.reset()
+        self._drop_turn()
 
     async def add_text(self, text: str, role: str = "user", item_id: str | None = None) -> Item:
         """A typed item (`item_id`: the client's own id, if it names one) at the end of the conversation."""
@@ -127,6 +162,7 @@ class Session:
         if (config.input_rate, config.turn_detection) != (self.config.input_rate, self.config.turn_detection):
             self.detector = TurnDetector(config.turn_detection, config.input_rate) if config.turn_detection else None
             self._buffer, self._buffer_start_ms, self._num_input_samples = [], 0, 0
+            self._drop_turn()
         self.config = config
 
     async def truncate(self, item_id: str, audio_end_ms: int) -> None:
@@ -135,15 +171,16 @@ class Session:
         item = self.conversation.truncate(item_id, audio_end_ms)
         await self.emit(ItemTruncated(item.item_id, item.num_audio_ms))
 
-    async def _commit_audio(self, item_id: str, start_ms: int, end_ms: int) -> None:
+    async def _commit_audio(self, item_id: str, start_ms: int, end_ms: int) -> bool:
         audio = self._take(start_ms, end_ms)
         if audio.size == 0:
             await self.emit(SessionError("input_audio_buffer_commit_empty", "no audio to commit"))
-            return
+            return False
         speech = audio if self.config.input_rate == SPEECH_RATE else StreamResampler(
             self.config.input_rate, SPEECH_RATE).process(audio)
         item = self.conversation.add(Item(item_id, "user", audio=speech, num_audio_ms=end_ms - start_ms))
         await self.emit(InputCommitted(item.item_id, item.num_audio_ms))
+        return True
 
     def _take(self, start_ms: int, end_ms: int) -> npt.NDArray[np.float32]:
         """The buffered input between two timeline positions, as float32; the buffer restarts at `end_ms`."""
@@ -182,7 +219,8 @@ class Session:
         payload = {"messages": self.conversation.to_messages(
             self.config.instructions if instructions is None else instructions)}
         # NOTE: the new item is in the conversation (it is the reply) but not in the payload: empty.
-        run = ResponseRun(response_id, item, self.config.output_rate, self.emit)
+        run = ResponseRun(response_id, item, self.config.output_rate, self.emit,
+                          self.conversation.last_untranscribed_id(), self._set_transcript)
         self._run, self.played_ms = run, None
         await self.emit(ResponseStarted(response_id, item.item_id))
         self._response = asyncio.create_task(self._respond(run, payload, {**dict(self.config.params),
@@ -190,7 +228,66 @@ class Session:
         return response_id
 
     async def _respond(self, run: ResponseRun, payload: dict[str, Any], params: dict[str, Any]) -> None:
-        error = await run.run(self.coordinator.submit, payload, params)
+        run.start()
+        try:
+            stream = self.coordinator.submit(payload, params)
+        except RequestError as exc:
+            await self._finish(run, str(exc))
+            return
+        await self._respond_to(run, stream)
+
+    # -- streamed turns ---------------------------------------------------------------------------------
+
+    async def _open_turn(self, item_id: str, start_ms: int) -> None:
+        """Speech started: open the turn's request and send the audio since `start_ms` (its padding)."""
+        self._drop_turn()
+        payload = {"messages": self.conversation.to_messages(self.config.instructions)}
+        try:
+            stream = self.coordinator.submit(payload, dict(self.config.params), stream_input=True)
+        except RequestError as exc:
+            # NOTE: the turn goes on without it; its end falls back to a whole request.
+            await self.emit(SessionError("pipeline_unavailable", str(exc)))
+            return
+        run = ResponseRun(new_id("resp"), Item(new_id("item"), "assistant", status="in_progress"),
+                          self.config.output_rate, self.emit, item_id, self._set_transcript)
+        rate = self.config.input_rate
+        resampler = None if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE)
+        self._turn = OpenTurn(run, stream.input, asyncio.create_task(self._respond_to(run, stream)), resampler)
+        pcm = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
+        self._turn.send(pcm[max(0, (start_ms - self._buffer_start_ms) * rate // 1000):])
+
+    async def _end_turn(self, is_committed: bool) -> None:
+        """Speech stopped: the turn's stream ends and, with its audio committed, its response starts."""
+        turn, self._turn = self._turn, None
+        assert turn is not None
+        if not is_committed:
+            turn.task.cancel()
+            return
+        turn.input.end()
+        if self._is_responding():
+            await self.cancel_response()
+        self.conversation.add(turn.run.item)
+        turn.run.start()
+        self._response, self._run, self.played_ms = turn.task, turn.run, None
+        await self.emit(ResponseStarted(turn.run.response_id, turn.run.item.item_id))
+
+    def _drop_turn(self) -> None:
+        if self._turn is not None:
+            self._turn.task.cancel()  # NOTE: the request stream closes: aborted in every stage
+            self._turn = None
+
+    def _set_transcript(self, item_id: str, transcript: str) -> None:
+        item = self.conversation.get(item_id)
+        if item is not None and item.role == "user":
+            item.text = transcript
+
+    async def _respond_to(self, run: ResponseRun, stream: Any) -> None:
+        error = await run.consume(stream)
+        if run.started_at == 0.0:
+            return  # NOTE: the turn was dropped before its response started: nothing to report
+        await self._finish(run, error)
+
+    async def _finish(self, run: ResponseRun, error: str) -> None:
         run.item.status = "incomplete" if error else "completed"
         await self.emit(ResponseDone(run.response_id, run.item.item_id, "failed" if error else "completed",
                                      run.item.text, run.item.num_audio_ms, dict(run.timings_ms), error,
@@ -247,4 +344,5 @@ class Session:
 
     async def close(self) -> None:
         """The connection ended: abort whatever runs (the request leaves every stage)."""
+        self._drop_turn()
         await self.cancel_response()

@@ -33,6 +33,22 @@ class InputCommitted:
 
 
 @dataclass(frozen=True)
+class InputTranscriptDelta:
+    """More of a spoken user item's transcript (pipelines that transcribe; may precede the commit)."""
+
+    item_id: str
+    delta: str
+
+
+@dataclass(frozen=True)
+class InputTranscriptDone:
+    """A spoken user item's final transcript (it may revise what the deltas said)."""
+
+    item_id: str
+    transcript: str
+
+
+@dataclass(frozen=True)
 class ResponseStarted:
     response_id: str
     item_id: str
@@ -81,5 +97,5 @@ class SessionError:
     message: str
 
 
-SessionEvent = (SpeechStarted | SpeechStopped | InputCommitted | ResponseStarted | TextDelta | AudioDelta
-                | ResponseDone | ItemTruncated | SessionError)
+SessionEvent = (SpeechStarted | SpeechStopped | InputCommitted | InputTranscriptDelta | InputTranscriptDone
+                | ResponseStarted | TextDelta | AudioDelta | ResponseDone | ItemTruncated | SessionError)

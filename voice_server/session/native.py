@@ -9,9 +9,11 @@
    `response.cancel`, `playback` `{"played_ms"}` (how much of the current response the client has
    played: a barge-in keeps exactly that much in the conversation).
 3. The server sends JSON events `speech_started`, `speech_stopped`, `input_committed`,
-   `response_started`, `text_delta`, `response_done` (`status`, `text`, `audio_ms`, `timings_ms`),
-   `item_truncated`, `error` (`code`, `message`), and binary frames of PCM16 at `output_rate`: the
-   audio of the response between its `response_started` and `response_done`.
+   `input_transcript_delta` (`item_id`, `delta`) and `input_transcript_done` (`item_id`, `transcript`)
+   where the pipeline transcribes the user, `response_started`, `text_delta`, `response_done`
+   (`status`, `text`, `audio_ms`, `timings_ms`), `item_truncated`, `error` (`code`, `message`), and
+   binary frames of PCM16 at `output_rate`: the audio of the response between its `response_started`
+   and `response_done`.
 
 Errors: a first message that is not a valid `session.start` closes with 1008 (with the reason); a
 bad message afterwards gets an `error` event and the session goes on; frames over the server's size
@@ -41,6 +43,8 @@ from voice_server.session.core import Session, SessionConfig
 from voice_server.session.events import (
     AudioDelta,
     InputCommitted,
+    InputTranscriptDelta,
+    InputTranscriptDone,
     ItemTruncated,
     ResponseDone,
     ResponseStarted,
@@ -85,6 +89,10 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
     if isinstance(event, InputCommitted):
         return {"type": "input_committed", "item_id": event.item_id, "audio_ms": event.num_audio_ms,
                 "text": event.text}
+    if isinstance(event, InputTranscriptDelta):
+        return {"type": "input_transcript_delta", "item_id": event.item_id, "delta": event.delta}
+    if isinstance(event, InputTranscriptDone):
+        return {"type": "input_transcript_done", "item_id": event.item_id, "transcript": event.transcript}
     if isinstance(event, ResponseStarted):
         return {"type": "response_started", "response_id": event.response_id, "item_id": event.item_id}
     if isinstance(event, TextDelta):

@@ -5,6 +5,12 @@ The request payload is `{"messages": [...]}` (`Conversation.to_messages`: `role`
 `text` is a text delta, its `pcm` (float32 mono, at its `sample_rate`) audio. Final outputs carry
 totals and are not replayed. Audio is resampled to the session's output rate as it arrives.
 
+A pipeline that transcribes the user (`stream_input`) also sends `input_transcript_partial` (the
+hypothesis so far, which may revise itself) and `input_transcript` (final) for the user item the
+response answers; they become `InputTranscriptDelta`s (only where the hypothesis grows) and one
+`InputTranscriptDone`. Such a request may open before the response starts (at speech start): its
+`timings_ms` count from `start()`, the end of the user's turn, and leave out earlier stage stamps.
+
 Cancellation (barge-in, `response.cancel`, the client gone) cancels the task running `run`: the
 request stream closes, which aborts the request in every stage (`RequestStream`), and nothing more
 is sent to the client from the moment the task is cancelled.
@@ -21,32 +27,42 @@ import numpy as np
 from voice_server.audio import StreamResampler, float32_to_pcm16
 from voice_server.engine.requests import RequestError, TerminalOutput
 from voice_server.session.conversation import Item
-from voice_server.session.events import AudioDelta, SessionEvent, TextDelta
+from voice_server.session.events import (
+    AudioDelta,
+    InputTranscriptDelta,
+    InputTranscriptDone,
+    SessionEvent,
+    TextDelta,
+)
 
 Emit = Callable[[SessionEvent], Awaitable[None]]
 
 
 class ResponseRun:
-    def __init__(self, response_id: str, item: Item, output_rate: int, emit: Emit) -> None:
+    def __init__(self, response_id: str, item: Item, output_rate: int, emit: Emit,
+                 user_item_id: str = "", on_transcript: Callable[[str, str], None] | None = None) -> None:
         self.response_id, self.item, self.output_rate, self.emit = response_id, item, output_rate, emit
+        self.user_item_id = user_item_id
+        """The spoken user item this response answers, which a transcribing pipeline transcribes."""
+        self.on_transcript = on_transcript
+        """Called with (user item id, final transcript)."""
+        self._partial_sent = ""
         self.timings_ms: dict[str, float] = {}
         self.usage: dict[str, int] = {}
         """`num_prompt_tokens`, `num_cached_tokens`, `num_output_tokens`, from the final outputs that carry them,
         else output tokens counted as text deltas (one per step in the AR stages)."""
-        self.submitted_at = 0.0
+        self.started_at = 0.0
+        """When the response started: its submit, or the end of a streamed turn (`start`)."""
         self.first_audio_at: float | None = None
         self.num_samples = 0
         self._resampler: StreamResampler | None = None
         self._resampler_rate = 0
 
-    async def run(self, submit: Callable[[dict[str, Any], dict[str, Any]], Any], payload: dict[str, Any],
-                  params: dict[str, Any]) -> str:
-        """Stream the response; '' when it completed, else the pipeline's error message."""
-        self.submitted_at = time.monotonic()
-        try:
-            stream = submit(payload, params)
-        except RequestError as exc:
-            return str(exc)
+    def start(self) -> None:
+        self.started_at = time.monotonic()
+
+    async def consume(self, stream: Any) -> str:
+        """Stream an already submitted request's outputs (`RequestStream`); '' or the error message."""
         try:
             async for output in stream:
                 await self._on_output(output)
@@ -60,11 +76,11 @@ class ResponseRun:
         return ""
 
     async def _on_output(self, output: TerminalOutput) -> None:
-        submitted = output.timings.get("submit")
-        if submitted is not None:
+        if self.started_at:
             for stage, at in output.timings.items():
-                if stage != "submit":
-                    self.timings_ms.setdefault(stage, round(1000.0 * (at - submitted), 3))
+                if stage != "submit" and at >= self.started_at:
+                    self.timings_ms.setdefault(stage, round(1000.0 * (at - self.started_at), 3))
+        await self._on_transcript(output.payload)
         if output.is_final:
             self._count_tokens(output.payload)
             return
@@ -79,6 +95,20 @@ class ResponseRun:
             rate = int(output.payload.get("sample_rate", self.output_rate))
             samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
             await self._send_audio(self._resample(samples, rate))
+
+    async def _on_transcript(self, payload: dict[str, Any]) -> None:
+        partial, final = payload.get("input_transcript_partial"), payload.get("input_transcript")
+        if isinstance(partial, str) and partial.startswith(self._partial_sent) and partial != self._partial_sent:
+            # NOTE: a recogniser revises its hypothesis; deltas are append-only, so a revision waits
+            # for the final transcript (which replaces the deltas) or for the text to grow past it.
+            delta, self._partial_sent = partial[len(self._partial_sent):], partial
+            await self.emit(InputTranscriptDelta(self.user_item_id, delta))
+        if isinstance(final, str):
+            if self.started_at:
+                self.timings_ms.setdefault("transcript", round(1000.0 * (time.monotonic() - self.started_at), 3))
+            if self.on_transcript is not None:
+                self.on_transcript(self.user_item_id, final)
+            await self.emit(InputTranscriptDone(self.user_item_id, final))
 
     def _count_tokens(self, payload: dict[str, Any]) -> None:
         # NOTE: the first final with counts wins: in a multi-stage pipeline that is the text stage's
@@ -104,7 +134,7 @@ class ResponseRun:
         pcm16 = float32_to_pcm16(np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0))
         if self.first_audio_at is None:
             self.first_audio_at = time.monotonic()
-            self.timings_ms["first_audio_sent"] = round(1000.0 * (self.first_audio_at - self.submitted_at), 3)
+            self.timings_ms["first_audio_sent"] = round(1000.0 * (self.first_audio_at - self.started_at), 3)
         self.num_samples += pcm16.size
         self.item.num_audio_ms = self.num_samples * 1000 // self.output_rate
         await self.emit(AudioDelta(self.response_id, self.item.item_id, pcm16))

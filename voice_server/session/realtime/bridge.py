@@ -33,6 +33,8 @@ from voice_server.session.conversation import Conversation, Item
 from voice_server.session.events import (
     AudioDelta,
     InputCommitted,
+    InputTranscriptDelta,
+    InputTranscriptDone,
     ItemTruncated,
     ResponseDone,
     ResponseStarted,
@@ -89,6 +91,12 @@ class Bridge:
             return self._done(event)
         if isinstance(event, ItemTruncated):
             return [se.conversation_item_truncated(event.item_id, 0, event.audio_end_ms)]
+        if isinstance(event, InputTranscriptDelta):
+            return [se.input_transcription_delta(event.item_id, event.delta)]
+        if isinstance(event, InputTranscriptDone):
+            item = self.conversation.get(event.item_id)
+            return [se.input_transcription_completed(event.item_id, event.transcript,
+                                                     item.num_audio_ms if item is not None else 0)]
         assert isinstance(event, SessionError)
         return [se.error_event(event.code, event.message, client_event_id=self.client_event_id)]
 

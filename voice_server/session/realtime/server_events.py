@@ -173,6 +173,17 @@ def timeout_triggered(audio_start_ms: int, audio_end_ms: int, item_id: str) -> d
 
 # ---- conversation -------------------------------------------------------------------------------
 
+def input_transcription_delta(item_id: str, delta: str) -> dict[str, Any]:
+    return _event("conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0,
+                  delta=delta)
+
+
+def input_transcription_completed(item_id: str, transcript: str, num_audio_ms: int) -> dict[str, Any]:
+    # NOTE: `usage` is required by the GA schema; our recogniser is billed by nothing but time.
+    return _event("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
+                  transcript=transcript, usage={"type": "duration", "seconds": num_audio_ms / 1000.0})
+
+
 def conversation_item_added(item: Mapping[str, Any], previous_item_id: str | None) -> dict[str, Any]:
     return _event("conversation.item.added", item=dict(item), previous_item_id=previous_item_id)
 
