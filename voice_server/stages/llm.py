@@ -13,6 +13,8 @@ factory_args (all optional):
 - `compile` (false): compile the single-stream decode step with inductor at start-up
   (`DecoderRunnerConfig.compile`).
 - `num_threads` (null: torch's default, every core): intra-op threads of this stage's process.
+- `system_prompt` (null: the model's own, if its chat template has one): the system message for
+  conversations that bring none; it is the shared prefix the prefix cache keeps across sessions.
 - `sampling`: request sampling defaults (`SamplingParams` fields); a request's `params.sampling`
   overrides them field by field.
 """
@@ -47,6 +49,7 @@ FACTORY_ARGS = (
     "batch_invariant",
     "sampler_seed",
     "sampling",
+    "system_prompt",
     "compile",
     "num_threads",
 )
@@ -88,7 +91,15 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     except ValueError as exc:
         raise fail(where, "factory_args.sampling", str(exc)) from exc
 
+    system_prompt = args.get("system_prompt")
+    if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
+        raise fail(where, "factory_args.system_prompt", f"must be null or non-empty text, got {show(system_prompt)}")
+
     model, tokenizer = load_model(where, args.get("model", "smollm2"), dtype, quantization)
+    if system_prompt is not None:
+        if tokenizer is None:
+            raise fail(where, "factory_args.system_prompt", "the model has no tokenizer to apply it with")
+        tokenizer.default_system_prompt = system_prompt
     device = torch.device(stage.device)
     model.to(device)
     if device.type == "cpu" and dtype == torch.float32 and quantization == "none":
