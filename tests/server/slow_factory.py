@@ -12,5 +12,7 @@ from voice_server.stages.numeric import create_echo
 
 
 def create(ctx: StageContext) -> Any:
+    ctx.progress("loading weights")
     time.sleep(float(ctx.args.get("load_s", 20.0)))
+    ctx.progress("warming up")
     return create_echo(ctx)

@@ -91,6 +91,12 @@ def test_the_port_opens_first_and_health_shows_progress_while_a_stage_loads(
     health: dict[str, Any] = json.loads(body)
     assert code == 503 and health["status"] == "starting", health
     assert health["stages"]["slow"]["state"] == "starting"
+    deadline = time.monotonic() + 10
+    while "phase" not in health["stages"]["slow"]:  # NOTE: the stage process reports once it runs
+        assert time.monotonic() < deadline, health
+        time.sleep(0.05)
+        health = json.loads(get(server.port, "/health")[1])
+    assert health["stages"]["slow"]["phase"] == "loading weights", health
     assert session_refusal(server.port) == (1013, "the pipeline is not ready (starting or restarting); try again later")
     code, body = get(server.port, "/metrics")
     assert code == 200 and b'voice_server_sessions_refused_total{endpoint="native",reason="not_ready"} 1.0' in body
@@ -101,6 +107,7 @@ def test_the_port_opens_first_and_health_shows_progress_while_a_stage_loads(
     code, body = get(server.port, "/health")
     health = json.loads(body)
     assert code == 200 and health["status"] == "ok" and health["stages"]["slow"]["state"] == "ready"
+    assert "phase" not in health["stages"]["slow"]  # NOTE: only while it starts
     assert session_refusal(server.port) is None
     ws = connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5)
     ws.send(json.dumps({"type": "session.start"}))

@@ -37,6 +37,7 @@ from voice_server.engine.messages import (
     Output,
     PeerDown,
     Probe,
+    Progress,
     Ready,
     StartupFailed,
     StatsQuery,
@@ -305,6 +306,8 @@ class Coordinator:
         elif isinstance(msg, Ready):
             if not self.supervisor.on_ready(msg.process, msg.generation):
                 self._drop(f"dropped a stale or foreign Ready from {msg.process!r}")
+        elif isinstance(msg, Progress):
+            self.supervisor.on_progress(msg.process, msg.generation, msg.stage, msg.phase)
         elif isinstance(msg, StartupFailed):
             if not self.supervisor.on_startup_failed(msg.process, msg.generation, msg.message):
                 self._drop(f"dropped a stale or foreign StartupFailed from {msg.process!r}")

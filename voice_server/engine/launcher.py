@@ -45,6 +45,8 @@ class ProcessHandle:
     ready_at: float = 0.0
     restart_at: float = 0.0
     last_error: str = ""
+    phases: dict[str, str] = field(default_factory=dict)
+    """Stage -> its last reported startup phase, for the current generation while it starts."""
     retired: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
     """Earlier generations not yet reaped."""
 
@@ -92,6 +94,7 @@ class Launcher:
         if handle.process is not None:
             handle.retired.append(handle.process)
         handle.generation += 1
+        handle.phases.clear()
         handle.process = process
         handle.state = ProcessState.STARTING
         handle.started_at = time.monotonic()

@@ -6,7 +6,7 @@ receiver acks back to the producer's inbox with `Ack`).
 
 Grouped by receiver:
 - stage inbox (PUSH/PULL): NewRequest, StreamChunk, StreamDone, Ack
-- coordinator inbox (PUSH/PULL): Output, Failure, Ready, StartupFailed, StatsReply, Ack
+- coordinator inbox (PUSH/PULL): Output, Failure, Ready, StartupFailed, Progress, StatsReply, Ack
 - broadcast from the coordinator (PUB/SUB): Abort, Probe, PeerDown, StatsQuery
 """
 
@@ -128,18 +128,28 @@ class PeerDown:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A starting stage's current step (e.g. loading weights, warming up), for the log and `/health`."""
+
+    process: str
+    generation: int
+    stage: str
+    phase: str
+
+
+@dataclass(frozen=True)
 class StatsQuery:
     nonce: int
 
 
 Message = (
     NewRequest | StreamChunk | StreamDone | Ack | Output | Failure | Ready | StartupFailed
-    | StatsReply | Abort | Probe | PeerDown | StatsQuery
+    | StatsReply | Abort | Probe | PeerDown | StatsQuery | Progress
 )
 
 _TYPES: tuple[type, ...] = (
     NewRequest, StreamChunk, StreamDone, Ack, Output, Failure, Ready, StartupFailed,
-    StatsReply, Abort, Probe, PeerDown, StatsQuery,
+    StatsReply, Abort, Probe, PeerDown, StatsQuery, Progress,
 )
 _TAGS: dict[type, int] = {cls: tag for tag, cls in enumerate(_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {

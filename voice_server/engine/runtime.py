@@ -3,6 +3,8 @@ shell needs to route outputs (open downstream streams, relay slots held per requ
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,10 +24,19 @@ class StageContext:
     budget_bytes: int | None
     """Memory this stage may use; None for GPUs until the stage resolves it with torch."""
     launch_id: str
+    report: Callable[[str], None] | None = None
+    """Sends a startup phase to the coordinator (set by the stage shell)."""
 
     @property
     def args(self) -> dict[str, Any]:
         return self.stage.factory_args
+
+    def progress(self, phase: str) -> None:
+        """The factory's current startup step ("loading weights", "warming up"): logged, and shown
+        by `/health` until the stage is ready, so a slow start says what it is doing."""
+        logging.getLogger("voice_server.stage").info("stage %s: %s", self.stage.name, phase)
+        if self.report is not None:
+            self.report(phase[:80])
 
     def memory_budget_bytes(self) -> int:
         """`budget_bytes`, or for a GPU stage its `memory_fraction` of the device's memory (read here,

@@ -8,6 +8,7 @@ scheduler type.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -32,6 +33,7 @@ from voice_server.engine.messages import (
     Output,
     PeerDown,
     Probe,
+    Progress,
     Ready,
     StartupFailed,
     StatsQuery,
@@ -99,7 +101,8 @@ class StageShell:
     def run(self) -> None:
         try:
             for stage in self.cfg.processes[self.spec.process]:
-                ctx = StageContext(stage, self.cfg, self.spec.budgets.get(stage.name), self.spec.launch_id)
+                ctx = StageContext(stage, self.cfg, self.spec.budgets.get(stage.name), self.spec.launch_id,
+                                   functools.partial(self._report, stage.name))
                 runner = create_runner(ctx)
                 self.stages[stage.name] = StageRuntime(stage, create_scheduler(stage, runner), runner)
         except Exception as exc:
@@ -116,6 +119,9 @@ class StageShell:
         self._send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid()))
         while self.is_running:
             self._poll_once()
+
+    def _report(self, stage: str, phase: str) -> None:
+        self._send(ipc.COORDINATOR, Progress(self.spec.process, self.spec.generation, stage, phase))
 
     def _await_probe(self) -> bool:
         # NOTE: PUB/SUB slow joiner: aborts published before our subscription reaches the publisher

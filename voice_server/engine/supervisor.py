@@ -57,6 +57,11 @@ class Supervisor:
         log.info("stage process '%s' ready (generation %d, pid %s)", process, generation, handle.pid)
         return True
 
+    def on_progress(self, process: str, generation: int, stage: str, phase: str) -> None:
+        handle = self.launcher.handles.get(process)
+        if handle is not None and handle.generation == generation and handle.state is ProcessState.STARTING:
+            handle.phases[stage] = phase
+
     def on_startup_failed(self, process: str, generation: int, message: str) -> bool:
         handle = self.launcher.handles.get(process)
         if handle is None or handle.generation != generation or handle.state is not ProcessState.STARTING:
@@ -185,6 +190,8 @@ class Supervisor:
                 "process": handle.name, "state": handle.state.value, "generation": handle.generation,
                 "num_restarts": handle.num_restarts,
             }
+            if handle.state is ProcessState.STARTING and stage.name in handle.phases:
+                entry["phase"] = handle.phases[stage.name]
             restart_in_s = self.restart_in_s(handle)
             if restart_in_s is not None:
                 entry["restart_in_s"] = round(restart_in_s, 2)

@@ -95,6 +95,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     if system_prompt is not None and (not isinstance(system_prompt, str) or not system_prompt.strip()):
         raise fail(where, "factory_args.system_prompt", f"must be null or non-empty text, got {show(system_prompt)}")
 
+    ctx.progress(f"loading weights ({quantization})")
     model, tokenizer = load_model(where, args.get("model", "smollm2"), dtype, quantization)
     if system_prompt is not None:
         if tokenizer is None:
@@ -117,6 +118,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
         sampler_seed=sampler_seed,
         compile=is_compiled,
     )
+    ctx.progress("allocating the KV cache" + (" and compiling the decode step" if is_compiled else ""))
     try:
         return DecoderRunner(model, tokenizer, config)
     except ValueError as exc:
