@@ -65,7 +65,11 @@ def create_decoder_layer(cfg: LlamaConfig, layer_idx: int) -> DecoderLayer:
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: built on the meta device (by the loaders), nn.Embedding's normal_ init imports
+        # torch._dynamo, 1-2 s of every start-up; a meta weight needs no init anyway.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight) if weight.is_meta \
+            else nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(create_decoder_layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
