@@ -35,6 +35,8 @@ def by_char(text: str, rules: ClauseRules | None = None) -> list[str]:
     ("He said \"I am done!\" and walked away quietly.",
      ['He said "I am done!"', "and walked away quietly."]),
     ("A line without a mark\nAnother line here", ["A line without a mark", "Another line here"]),
+    ("Steps:\n1. Mix\n2. Bake it for 20 minutes.\n\nDone.",
+     ["Steps:", "1. Mix", "2. Bake it for 20 minutes.", "Done."]),
     ("Wait... what happened here? Nothing.", ["Wait... what happened here?", "Nothing."]),
 ])
 def test_clause_ends(text: str, want: list[str]) -> None:

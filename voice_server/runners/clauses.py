@@ -2,9 +2,11 @@
 
 A clause ends at a sentence end (`. ! ? …`) or a clause mark (`, ; :`), closing quotes, brackets or
 markdown emphasis allowed after it, followed by whitespace; at a spaced dash (`a — b`, `a - b`,
-`a -- b`), an unspaced em dash (`so—then`) or a newline. Not a clause end:
+`a -- b`), an unspaced em dash (`so—then`) or a newline (a heading or list item, however short).
+Not a clause end:
 - a mark inside a number or a URL (`3.5`, `1,000`, `7:30`): no whitespace follows it;
-- a period after a common abbreviation (`Dr.`, `e.g.`, `a.m.`) or an initial (`J. K. Rowling`);
+- a period after a common abbreviation (`Dr.`, `e.g.`, `a.m.`), an initial (`J. K. Rowling`) or a
+  list item's number (`2. Then`, at the start of a line);
 - a clause shorter than `min_clause_chars` (speakable characters): it merges with the next, so
   the engine never gets fragments like "Yes," on their own.
 With no mark in sight a clause is cut at the first whitespace past `max_clause_chars`, so audio
@@ -40,6 +42,8 @@ _ABBREVIATIONS = frozenset({
 "no.", "min." end sentences more often than they abbreviate); dotted forms (`e.g`, `a.m`, `u.s`,
 `ph.d`: parts of one or two letters) and single letters (initials) are recognised by shape."""
 
+_LIST_NUMBER = re.compile(r"(?:^|\n)\s*\d{1,3}$")
+"""`1.` opening a line numbers a list item; it does not end one."""
 _URL = re.compile(r"(?:https?://|ftp://|www\.)\S*?(?=[.,;:!?)\]\"']*(?:\s|$))", re.IGNORECASE)
 _MARKDOWN_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
 _LINE_MARKUP = re.compile(r"^\s*(?:#{1,6}|>|[-+•])\s+")
@@ -113,7 +117,10 @@ class ClauseSplitter:
             is_dash_cut = i > 0 and text[i - 1] == _UNSPACED_DASH and char not in _SPACED_DASHES
             return i if is_dash_cut and self._is_long_enough(text[:i]) else None
         before = text[:i]
-        if char == "\n" or _ends_clause(before):
+        if char == "\n":
+            # NOTE: a line break ends a heading or list item, however short.
+            return i + 1 if speakable(before) else None
+        if _ends_clause(before):
             return i + 1 if self._is_long_enough(before) else None
         return i + 1 if len(before) >= self.rules.max_clause_chars else None
 
@@ -128,7 +135,7 @@ def _ends_clause(text: str) -> bool:
         return False
     last = core[-1]
     if last == ".":
-        return not _is_abbreviation(core[:-1])
+        return not (_is_abbreviation(core[:-1]) or _LIST_NUMBER.search(core[:-1]))
     if last in _ENDS or last in _SPACED_DASHES:
         return True
     if last == "-":
