@@ -27,10 +27,11 @@ DELTAS = ["Hello", " there", ",", " how", " are", " you", " today", "?", " I", "
           " nice", " where", " you", " are", "."]
 
 
-def stage_ctx(device: str = "cpu", **factory_args: Any) -> StageContext:
+def stage_ctx(device: str = "cpu", phases: list[str] | None = None, **factory_args: Any) -> StageContext:
     stage = StageConfig("talker", "voice_server.stages.tts:create_tts", terminal=True, device=device,
                         factory_args=factory_args)
-    return StageContext(stage, PipelineConfig(name="t", stages=(stage,)), None, "test")
+    report = phases.append if phases is not None else None
+    return StageContext(stage, PipelineConfig(name="t", stages=(stage,)), None, "test", report)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +165,12 @@ def test_release_forgets_the_request(runner: TTSRunner) -> None:
 def test_factory_args_are_checked_naming_the_field(args: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=f"stage 'talker': field '{field}'"):
         create_tts(stage_ctx(**args))
+
+
+def test_startup_reports_its_phases() -> None:
+    phases: list[str] = []
+    create_tts(stage_ctx(phases=phases, num_threads=2))
+    assert phases == ["loading hibari-tts (voice heart, 2 thread(s))", "warming up"]
 
 
 def test_factory_refuses_a_gpu_device() -> None:

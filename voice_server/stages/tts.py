@@ -55,10 +55,10 @@ def create_tts(ctx: StageContext) -> TTSRunner:
                              _int(where, args, "max_text_chars", 32768, minimum=1), rules)
 
     start = time.perf_counter()
-    log.info("stage %s: loading hibari-tts (voice %s, %d thread(s))", stage.name, VOICE, num_threads)
+    ctx.progress(f"loading hibari-tts (voice {VOICE}, {num_threads} thread(s))")
     engine = load_hibari(where, num_threads)
     runner = TTSRunner(engine, config)
-    log.info("stage %s: warming up", stage.name)
+    ctx.progress("warming up")
     warm_s = runner.warm_up()
     log.info("stage %s: ready in %.2f s (warm-up %.2f s)", stage.name, time.perf_counter() - start, warm_s)
     return runner
