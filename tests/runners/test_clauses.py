@@ -1,0 +1,121 @@
+"""The streaming clause splitter of the text-to-speech stage: where clauses end, what is spoken, and
+that text fed in deltas (any split) gives exactly the clauses of the whole text."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from voice_server.runners.clauses import ClauseRules, ClauseSplitter, speakable
+
+
+def whole(text: str, rules: ClauseRules | None = None) -> list[str]:
+    splitter = ClauseSplitter(rules)
+    return splitter.feed(text) + splitter.flush()
+
+
+def by_char(text: str, rules: ClauseRules | None = None) -> list[str]:
+    splitter = ClauseSplitter(rules)
+    clauses = [c for char in text for c in splitter.feed(char)]
+    return clauses + splitter.flush()
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("Hello there, how are you today? I am fine!",
+     ["Hello there,", "how are you today?", "I am fine!"]),
+    ("It costs 3.5 dollars, or 1,000 yen at 7:30 tonight.",
+     ["It costs 3.5 dollars,", "or 1,000 yen at 7:30 tonight."]),
+    ("Dr. Smith met J. K. Rowling at 7 p.m. today; e.g. at the cafe. Then they left.",
+     ["Dr. Smith met J. K. Rowling at 7 p.m. today;", "e.g. at the cafe.", "Then they left."]),
+    ("First we cook — then we eat the whole meal - and then -- we rest",
+     ["First we cook —", "then we eat the whole meal -", "and then --", "we rest"]),
+    ("It was late—so we went home, pages 10–20 unread.",
+     ["It was late—", "so we went home,", "pages 10–20 unread."]),
+    ("He said \"I am done!\" and walked away quietly.",
+     ['He said "I am done!"', "and walked away quietly."]),
+    ("A line without a mark\nAnother line here", ["A line without a mark", "Another line here"]),
+    ("Steps:\n1. Mix\n2. Bake it for 20 minutes.\n\nDone.",
+     ["Steps:", "1. Mix", "2. Bake it for 20 minutes.", "Done."]),
+    ("Wait... what happened here? Nothing.", ["Wait... what happened here?", "Nothing."]),
+])
+def test_clause_ends(text: str, want: list[str]) -> None:
+    assert whole(text) == want
+    assert by_char(text) == want
+
+
+def test_short_fragments_merge_with_the_next_clause() -> None:
+    assert whole("Yes, so. Sure, okay: here we go now.") == ["Yes, so. Sure,", "okay: here we go now."]
+    assert whole("Yes.") == ["Yes."]  # NOTE: the end of input flushes whatever is left
+    short = ClauseRules(min_clause_chars=1, max_clause_chars=240)
+    assert whole("Yes, sure. Well, okay.", short) == ["Yes,", "sure.", "Well,", "okay."]
+
+
+def test_a_clause_is_given_out_as_soon_as_the_next_character_decides_it() -> None:
+    splitter = ClauseSplitter()
+    assert splitter.feed("Hello there") == []
+    assert splitter.feed(".") == []  # NOTE: "there.5" is still possible
+    assert splitter.feed(" How") == ["Hello there."]
+    assert splitter.feed(" are you? I am") == ["How are you?"]
+    assert splitter.flush() == ["I am"]
+    assert splitter.flush() == [] and splitter.num_pending_chars == 0
+
+
+def test_a_run_on_clause_is_cut_at_whitespace_past_max_clause_chars() -> None:
+    rules = ClauseRules(min_clause_chars=5, max_clause_chars=20)
+    text = "one two three four five six seven eight nine ten"
+    assert whole(text, rules) == ["one two three four five", "six seven eight nine", "ten"]
+    assert by_char(text, rules) == whole(text, rules)
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("**Note:** read `the docs` _now_.", "Note: read the docs now."),
+    ("Visit https://example.com/a.b?c=1, or www.example.org.", "Visit, or."),
+    ("See [the guide](https://example.com/guide) today!", "See the guide today!"),
+    ("Great job 😀👍🏽! ❤️ It is 25°C.", "Great job! It is 25°C."),
+    ("## Heading words", "Heading words"),
+    ("- a bullet item", "a bullet item"),
+    ("😀 🎉", ""),
+    ("https://example.com", ""),
+    ("...", ""),
+])
+def test_speakable_drops_what_cannot_be_spoken(text: str, want: str) -> None:
+    assert speakable(text) == want
+
+
+def test_unspeakable_clauses_are_skipped() -> None:
+    assert whole("Look at this: https://example.com/x.html\n😀😀\nThat is all for today.") == \
+        ["Look at this:", "That is all for today."]
+    assert whole("") == [] and whole("   ") == [] and whole("🎉") == []
+
+
+def test_rules_are_validated() -> None:
+    for bad in ({"min_clause_chars": 0}, {"max_clause_chars": True}, {"min_clause_chars": 20, "max_clause_chars": 20}):
+        with pytest.raises(ValueError, match="ClauseRules"):
+            ClauseRules(**bad)  # type: ignore[arg-type]
+
+
+_WORDS = ["Hello", "Dr.", "e.g.", "3.5", "1,000", "7:30", "J.", "well", "the", "a", "U.S.", "https://x.io/a.b",
+          "**bold**", "😀", "café", "—", "-", "--", "–", "10–20", "...", "\n", "“quoted”", "(aside)"]
+_MARKS = ["", "", "", ",", ".", "!", "?", ";", ":", "—", "!\"", ".)", "..."]
+
+
+@st.composite
+def texts_and_splits(draw: st.DrawFn) -> tuple[str, list[str]]:
+    pieces = draw(st.lists(st.tuples(st.sampled_from(_WORDS), st.sampled_from(_MARKS),
+                                     st.sampled_from([" ", " ", "", "  ", "\n"])), max_size=40))
+    text = "".join(w + m + s for w, m, s in pieces)
+    cuts = sorted(draw(st.sets(st.integers(0, len(text)), max_size=20)))
+    bounds = [0, *cuts, len(text)]
+    return text, [text[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=texts_and_splits(), min_chars=st.integers(1, 30))
+def test_any_split_into_deltas_gives_the_clauses_of_the_whole_text(case: tuple[str, list[str]], min_chars: int) -> None:
+    text, deltas = case
+    rules = ClauseRules(min_clause_chars=min_chars, max_clause_chars=min_chars + 40)
+    splitter = ClauseSplitter(rules)
+    streamed = [c for delta in deltas for c in splitter.feed(delta)] + splitter.flush()
+    assert streamed == whole(text, rules)
+    assert all(c and c == speakable(c) for c in streamed)

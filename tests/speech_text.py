@@ -1,0 +1,69 @@
+"""Speech <-> text checks for tests: word error rate, and a pocketsphinx transcriber (en-us model
+bundled with the `pocketsphinx` package) that reads any supported sample rate.
+
+    transcript = transcribe(pcm, 24000)
+    assert word_error_rate("Hello there.", transcript) <= 0.35
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from voice_server.audio import StreamResampler
+from voice_server.audio.pcm import float32_to_pcm16
+
+ASR_RATE = 16000
+"""The bundled en-us acoustic model's rate."""
+_NOT_WORD = re.compile(r"[^a-z0-9' ]+")
+
+
+def normalize_words(text: str) -> list[str]:
+    """Lowercased words without punctuation (hyphens and dashes separate words; apostrophes stay)."""
+    text = text.lower().replace("’", "'").replace("-", " ").replace("—", " ").replace("–", " ")
+    return [w.strip("'") for w in _NOT_WORD.sub(" ", text).split() if w.strip("'")]
+
+
+def word_error_rate(reference: str, hypothesis: str) -> float:
+    """(substitutions + deletions + insertions) / reference words, over `normalize_words`."""
+    ref, hyp = normalize_words(reference), normalize_words(hypothesis)
+    if not ref:
+        return 0.0 if not hyp else 1.0
+    previous = list(range(len(hyp) + 1))
+    for i, ref_word in enumerate(ref, 1):
+        current = [i]
+        for j, hyp_word in enumerate(hyp, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ref_word != hyp_word)))
+        previous = current
+    return previous[-1] / len(ref)
+
+
+@functools.lru_cache(maxsize=1)
+def _decoder() -> Any:
+    from pocketsphinx import Decoder
+
+    # NOTE: loaded once per process (~0.25 s); quiet, or it logs every utterance at INFO.
+    return Decoder(samprate=ASR_RATE, loglevel="FATAL")
+
+
+def to_asr_rate(pcm: npt.NDArray[np.floating], sample_rate: int) -> npt.NDArray[np.float32]:
+    """`pcm` at 16 kHz, resampled as a stream (the way a server's ASR stage would receive it)."""
+    samples = np.asarray(pcm, dtype=np.float32)
+    if sample_rate == ASR_RATE:
+        return samples
+    resampler = StreamResampler(sample_rate, ASR_RATE)
+    return np.concatenate([resampler.process(samples), resampler.flush()])
+
+
+def transcribe(pcm: npt.NDArray[np.floating], sample_rate: int) -> str:
+    """One utterance of float PCM (any rate `StreamResampler` supports) -> lowercase words."""
+    decoder = _decoder()
+    decoder.start_utt()
+    decoder.process_raw(float32_to_pcm16(to_asr_rate(pcm, sample_rate)).tobytes(), full_utt=True)
+    decoder.end_utt()
+    hyp = decoder.hyp()
+    return hyp.hypstr if hyp is not None else ""

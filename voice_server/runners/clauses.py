@@ -1,0 +1,172 @@
+"""Streaming clause splitting for text-to-speech: cut an LLM's text deltas into speakable clauses.
+
+A clause ends at a sentence end (`. ! ? …`) or a clause mark (`, ; :`), closing quotes, brackets or
+markdown emphasis allowed after it, followed by whitespace; at a spaced dash (`a — b`, `a - b`,
+`a -- b`), an unspaced em dash (`so—then`) or a newline (a heading or list item, however short).
+Not a clause end:
+- a mark inside a number or a URL (`3.5`, `1,000`, `7:30`): no whitespace follows it;
+- a period after a common abbreviation (`Dr.`, `e.g.`, `a.m.`), an initial (`J. K. Rowling`) or a
+  list item's number (`2. Then`, at the start of a line);
+- a clause shorter than `min_clause_chars` (speakable characters): it merges with the next, so
+  the engine never gets fragments like "Yes," on their own.
+With no mark in sight a clause is cut at the first whitespace past `max_clause_chars`, so audio
+never waits on a run-on sentence.
+
+NOTE: every decision is made at the character after the mark and depends only on the clause text
+up to it, so feeding deltas one by one yields exactly the clauses the whole text does. A clause is
+therefore complete one character after its mark (`3.` may still become `3.5`): with LLM tokens
+that is the next token, whose leading space decides it.
+
+`speakable` turns a clause into what the engine should read: URLs, markdown marks, emoji and other
+symbols are dropped; a clause with nothing left to say becomes "".
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from dataclasses import dataclass
+
+_ENDS = frozenset(".!?…,;:")
+_CLOSERS = "\"'”’)]}*_`"
+"""Allowed between a mark and the whitespace that confirms it (`"Hi!" she said`, `**Note:** x`)."""
+_SPACED_DASHES = frozenset("—–")
+_UNSPACED_DASH = "—"
+"""Only the em dash cuts without spaces: an en dash joins ranges (`10–20`), a hyphen joins words."""
+_ABBREVIATIONS = frozenset({
+    "mr", "mrs", "ms", "mx", "dr", "prof", "sr", "jr", "st", "mt", "ft", "vs", "approx", "inc", "ltd", "corp",
+    "dept", "gov", "lt", "sgt", "capt", "rev", "jan", "feb", "apr", "jul", "aug", "sept", "oct", "nov", "dec",
+    "mon", "tue", "thu", "fri", "vol", "ch", "avg", "cf", "nos", "pp",
+})
+"""Lowercase words a period does not end a clause after (none that is also a common word: "sun.",
+"no.", "min." end sentences more often than they abbreviate); dotted forms (`e.g`, `a.m`, `u.s`,
+`ph.d`: parts of one or two letters) and single letters (initials) are recognised by shape."""
+
+_LIST_NUMBER = re.compile(r"(?:^|\n)\s*\d{1,3}$")
+"""`1.` opening a line numbers a list item; it does not end one."""
+_URL = re.compile(r"(?:https?://|ftp://|www\.)\S*?(?=[.,;:!?)\]\"']*(?:\s|$))", re.IGNORECASE)
+_MARKDOWN_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
+_LINE_MARKUP = re.compile(r"^\s*(?:#{1,6}|>|[-+•])\s+")
+"""Headings, quotes and list bullets at the start of a clause: read the text, not the mark."""
+_INLINE_MARKUP = re.compile(r"[*_`~\\\[\]{}|]+")
+_SPACE_BEFORE_MARK = re.compile(r"\s+([,.;:!?…])")
+_KEPT_SYMBOLS = frozenset("°")
+_DROPPED_CATEGORIES = frozenset({"So", "Sk", "Cs", "Co", "Cn", "Cf", "Cc", "Me"})
+_VARIATION_SELECTORS = frozenset("\ufe0e\ufe0f")
+
+
+@dataclass(frozen=True)
+class ClauseRules:
+    min_clause_chars: int = 10
+    """Clauses with fewer speakable characters merge with the next one."""
+    max_clause_chars: int = 240
+    """A clause with no mark is cut at the first whitespace after this many characters."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_clause_chars", "max_clause_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ClauseRules.{name} must be an integer >= 1, got {value!r}")
+        if self.max_clause_chars <= self.min_clause_chars:
+            raise ValueError(f"ClauseRules.max_clause_chars ({self.max_clause_chars}) must be greater than "
+                             f"min_clause_chars ({self.min_clause_chars})")
+
+
+class ClauseSplitter:
+    """Feed text deltas in order; get each clause (already `speakable`) as soon as it is complete."""
+
+    def __init__(self, rules: ClauseRules | None = None) -> None:
+        self.rules = rules or ClauseRules()
+        self._pending = ""
+        """Text after the last cut, not yet given out."""
+        self._num_scanned = 0
+        """Characters of `_pending` whose cut decision is made."""
+
+    @property
+    def num_pending_chars(self) -> int:
+        return len(self._pending)
+
+    def feed(self, delta: str) -> list[str]:
+        """The clauses `delta` completes (none while a clause is still open)."""
+        self._pending += delta
+        clauses: list[str] = []
+        i = self._num_scanned
+        while i < len(self._pending):
+            cut = self._cut_before(i)
+            if cut is None:
+                i += 1
+                continue
+            clause, self._pending = self._pending[:i], self._pending[cut:]
+            i = 0
+            spoken = speakable(clause)
+            if spoken:
+                clauses.append(spoken)
+        self._num_scanned = len(self._pending)
+        return clauses
+
+    def flush(self) -> list[str]:
+        """The text still open (end of stream), as at most one clause; the splitter is empty after."""
+        rest, self._pending, self._num_scanned = self._pending, "", 0
+        spoken = speakable(rest)
+        return [spoken] if spoken else []
+
+    def _cut_before(self, i: int) -> int | None:
+        """Whether the clause ends before `_pending[i]`; if so, where the next one starts."""
+        text, char = self._pending, self._pending[i]
+        if not char.isspace():
+            is_dash_cut = i > 0 and text[i - 1] == _UNSPACED_DASH and char not in _SPACED_DASHES
+            return i if is_dash_cut and self._is_long_enough(text[:i]) else None
+        before = text[:i]
+        if char == "\n":
+            # NOTE: a line break ends a heading or list item, however short.
+            return i + 1 if speakable(before) else None
+        if _ends_clause(before):
+            return i + 1 if self._is_long_enough(before) else None
+        return i + 1 if len(before) >= self.rules.max_clause_chars else None
+
+    def _is_long_enough(self, clause: str) -> bool:
+        return len(speakable(clause)) >= self.rules.min_clause_chars
+
+
+def _ends_clause(text: str) -> bool:
+    """Whether `text`, followed by whitespace, ends a clause (the mark rules of the module note)."""
+    core = text.rstrip(_CLOSERS)
+    if not core:
+        return False
+    last = core[-1]
+    if last == ".":
+        return not (_is_abbreviation(core[:-1]) or _LIST_NUMBER.search(core[:-1]))
+    if last in _ENDS or last in _SPACED_DASHES:
+        return True
+    if last == "-":
+        return core.endswith("--") or len(core) == 1 or core[-2].isspace()
+    return False
+
+
+def _is_abbreviation(text: str) -> bool:
+    """Whether the word that ends `text` (before its period) is an abbreviation or an initial."""
+    word = re.split(r"[\s—–(\[\"'“‘*_]", text)[-1].lower()
+    if len(word) == 1:
+        return word.isalpha()
+    if "." in word:
+        parts = word.split(".")
+        return all(1 <= len(p) <= 2 and p.isalpha() for p in parts)
+    return word in _ABBREVIATIONS
+
+
+def speakable(text: str) -> str:
+    """`text` as the engine should read it: no URLs, markdown marks, emoji or other symbols; "" when
+    nothing speakable (a letter or digit) is left."""
+    text = _MARKDOWN_LINK.sub(r"\1", text)
+    text = _URL.sub(" ", text)
+    text = _LINE_MARKUP.sub("", text)
+    text = _INLINE_MARKUP.sub(" ", text)
+    text = "".join(c for c in text if _is_kept(c))
+    text = _SPACE_BEFORE_MARK.sub(r"\1", " ".join(text.split()))
+    return text if any(c.isalnum() for c in text) else ""
+
+
+def _is_kept(char: str) -> bool:
+    if char in _KEPT_SYMBOLS or char.isspace():
+        return True
+    return char not in _VARIATION_SELECTORS and unicodedata.category(char) not in _DROPPED_CATEGORIES
