@@ -42,10 +42,13 @@ from voice_server.engine.messages import (
     StartupFailed,
     StatsQuery,
     StatsReply,
+    StreamChunk,
+    StreamDone,
     acks_for,
 )
 from voice_server.engine.requests import (
     DeadlineExceeded,
+    InputStream,
     OverloadError,
     RequestError,
     RequestStream,
@@ -59,8 +62,8 @@ from voice_server.engine.supervisor import StartupError, Supervisor
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion, sweep
 
 __all__ = [
-    "Coordinator", "DeadlineExceeded", "OverloadError", "RequestError", "SlowConsumerError", "StartupError",
-    "UnavailableError",
+    "Coordinator", "DeadlineExceeded", "InputStream", "OverloadError", "RequestError", "SlowConsumerError",
+    "StartupError", "UnavailableError",
 ]
 
 log = logging.getLogger("voice_server.coordinator")
@@ -180,12 +183,15 @@ class Coordinator:
 
     def submit(
         self, payload: dict[str, Any], params: dict[str, Any] | None = None, request_id: str | None = None,
-        timeout_s: float | None = None,
+        timeout_s: float | None = None, stream_input: bool = False,
     ) -> RequestStream:
         """Send a request to the entry stage; iterate the result for its terminal outputs.
 
         Refuses at once, never queues: UnavailableError when a stage cannot serve, OverloadError
         beyond the admission limits. `timeout_s` (default `request_timeout_s`) is the deadline.
+        With `stream_input`, more input follows while the request runs (a user's audio while they
+        speak): the stream's `.input` (an `InputStream`) sends it to the entry stage as chunks, then
+        its end; `payload` is what the entry stage gets first (e.g. the conversation so far).
         """
         self._check_available()
         params = params or {}
@@ -208,8 +214,8 @@ class Coordinator:
             raise OverloadError(f"server busy: {exc}") from exc
         try:
             submitted = {"submit": time.monotonic()}
-            data = self.codec.encode(NewRequest(request_id, entry, payload, params, timings=submitted),
-                                     consumer=process)
+            request = NewRequest(request_id, entry, payload, params, is_stream=stream_input, timings=submitted)
+            data = self.codec.encode(request, consumer=process)
         except (RelayFullError, OSError, TypeError, ValueError, OverflowError) as exc:
             # NOTE: pack frees its relay slots itself
             if is_exhaustion(exc):
@@ -217,7 +223,32 @@ class Coordinator:
             raise RequestError(f"request payload cannot be sent: {exc}") from exc
         stream = self._requests.open(request_id, timeout_s if timeout_s is not None else self.limits.request_timeout_s)
         sock.send(data)
+        if stream_input:
+            is_live = self._requests.live_check(request_id)
+            stream.input = InputStream(request_id, entry, lambda msg: self._send_input(msg, is_live))
         return stream
+
+    def _send_input(self, msg: StreamChunk | StreamDone, is_live: Callable[[], bool]) -> bool:
+        """One piece of a client's streamed input to the entry stage; False once the request has ended."""
+        if self._is_stopping or not is_live():
+            # NOTE: nothing is encoded, so no relay slot is taken for a request the stages dropped;
+            # chunks already sent are acked by the entry stage (held until the request leaves it,
+            # or at once when they arrive after its abort).
+            return False
+        process = self.cfg.stage(msg.stage).process_name
+        try:
+            sock = self._peers.get(process)
+        except zmq.ZMQError as exc:
+            raise OverloadError(f"server busy: {exc}") from exc
+        try:
+            data = self.codec.encode(msg, consumer=process)
+        except (RelayFullError, OSError, TypeError, ValueError, OverflowError) as exc:
+            # NOTE: pack frees its relay slots itself
+            if is_exhaustion(exc):
+                raise OverloadError(f"server busy: {exc}") from exc
+            raise RequestError(f"input chunk cannot be sent: {exc}") from exc
+        sock.send(data)
+        return True
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from voice_server.engine.messages import StreamChunk, StreamDone
+
 
 class RequestError(RuntimeError):
     """A request failed in some stage (bad input, a stage error, a dead stage process)."""
@@ -110,6 +112,11 @@ class RequestTable:
             if not request.pending_terminals:
                 self._end(output.request_id, None)
         return True
+
+    def live_check(self, request_id: str) -> Callable[[], bool]:
+        """Whether this very request is still in flight (not a later one that reuses its id)."""
+        state = self._requests[request_id]
+        return lambda: self._requests.get(request_id) is state
 
     def fail(self, request_id: str, error: RequestError) -> None:
         if self._end(request_id, error):
@@ -222,6 +229,8 @@ class RequestStream:
     ) -> None:
         self.request_id, self._queue, self._abort = request_id, queue, abort
         self.is_done = False
+        self.input: InputStream | None = None
+        """The request's streamed input (`submit(..., stream_input=True)`); None for a whole request."""
         self._finalizer = weakref.finalize(self, abandon, request_id)
         self._finalizer.atexit = False
 
@@ -252,3 +261,41 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self._close()
+
+
+class InputStream:
+    """The client side of a streamed request input: chunks to the entry stage, in order, then the end.
+
+    `send(payload)` forwards one chunk as a `StreamChunk` (numbered for you; arrays go through the relay
+    codec like any payload), `end()` closes the input with `StreamDone`. Call both on the coordinator's
+    event loop; they return at once. Once the request has ended (completed, failed, expired, aborted) or
+    its input was ended, they send nothing and return False: a session may still hold audio for a request
+    that a barge-in or a stage failure just ended, and must not crash on it.
+
+    Raises, with nothing sent and no chunk number used (so the input stays whole): RequestError when the
+    payload is not a mapping with string keys or cannot be encoded, OverloadError when the relay is full
+    (retry later, or abort the request).
+    """
+
+    def __init__(self, request_id: str, stage: str, send: Callable[[StreamChunk | StreamDone], bool]) -> None:
+        self.request_id, self.stage, self._send = request_id, stage, send
+        self.num_chunks = 0
+        """Chunks sent so far (the next chunk's `seq`)."""
+        self.is_ended = False
+
+    def send(self, payload: dict[str, Any]) -> bool:
+        if not isinstance(payload, dict) or not all(isinstance(k, str) for k in payload):
+            raise RequestError(f"input chunk payload must be a mapping with string keys, got {type(payload).__name__}")
+        if self.is_ended:
+            return False
+        if not self._send(StreamChunk(self.request_id, self.stage, self.num_chunks, payload)):
+            self.is_ended = True
+            return False
+        self.num_chunks += 1
+        return True
+
+    def end(self) -> bool:
+        if self.is_ended:
+            return False
+        self.is_ended = True
+        return self._send(StreamDone(self.request_id, self.stage, self.num_chunks))
