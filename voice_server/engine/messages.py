@@ -106,7 +106,8 @@ class StatsReply:
     aborted_at: dict[str, float]
     """Recently aborted request id -> CLOCK_MONOTONIC time this process dropped it."""
     counters: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Stage name -> its scheduler's counters (KV pages, queues; `BaseScheduler.stats`)."""
+    """Stage name -> its scheduler's and runner's counters (KV pages, queues, free decoders;
+    `BaseScheduler.stats`, `Runner.stats`)."""
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from voice_server.engine.messages import (
 from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
 from voice_server.logs import flush_rate_limits
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion
-from voice_server.scheduling import Emit, EmitKind, WorkItem, WorkKind
+from voice_server.scheduling import CapacityError, Emit, EmitKind, WorkItem, WorkKind
 
 if TYPE_CHECKING:
     from voice_server.engine.process import ProcessSpec
@@ -231,7 +231,7 @@ class StageShell:
             self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
-            counters = {name: s.scheduler.stats() for name, s in self.stages.items()}
+            counters = {name: {**s.scheduler.stats(), **s.runner.stats()} for name, s in self.stages.items()}
             recent = dict(itertools.islice(reversed(self._aborted.items()), _NUM_ABORTS_REPORTED))
             self._send(ipc.COORDINATOR, StatsReply(
                 self.spec.process, self.spec.generation, msg.nonce, active,
@@ -286,9 +286,10 @@ class StageShell:
         try:
             runtime.scheduler.add(runtime.runner.admit(item), now)
         except ValueError as exc:
-            # NOTE: malformed input or params refuse this request alone, at admission.
+            # NOTE: malformed input or params refuse this request alone, at admission; so does a stage
+            # out of room for it (CapacityError), as a retryable overload.
             log.warning("stage %s: refused %s: %s", runtime.cfg.name, rid, exc)
-            self._fail_request(runtime, rid, f"refused: {exc}", is_overload=False)
+            self._fail_request(runtime, rid, f"refused: {exc}", is_overload=isinstance(exc, CapacityError))
 
     def _abort(self, request_id: str) -> None:
         self._aborted[request_id] = time.monotonic()

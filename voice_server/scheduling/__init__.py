@@ -10,6 +10,7 @@ from voice_server.scheduling.ar import ARScheduler
 from voice_server.scheduling.base import (
     AdmissionError,
     BaseScheduler,
+    CapacityError,
     Emit,
     EmitKind,
     Runner,
@@ -69,6 +70,7 @@ __all__ = [
     "AnyRunner",
     "AnyScheduler",
     "BaseScheduler",
+    "CapacityError",
     "Code2WavScheduler",
     "Emit",
     "EmitKind",

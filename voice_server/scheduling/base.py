@@ -70,6 +70,11 @@ class AdmissionError(ValueError):
     """A request's input or params are malformed: it is refused, alone, with this message."""
 
 
+class CapacityError(AdmissionError):
+    """The stage has no room for one more request (e.g. every speech decoder is lent): it is refused,
+    alone, as a retryable overload (the client gets an OverloadError)."""
+
+
 class Runner(ABC, Generic[BatchT, ResultT]):
     """What a stage factory returns: the stage's torch side. Runs typed batches on a device."""
 
@@ -84,6 +89,10 @@ class Runner(ABC, Generic[BatchT, ResultT]):
 
     def release(self, request_id: str) -> None:  # noqa: B027 - optional hook, most runners keep no state
         """Forget per-request state (request finished, failed or aborted)."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the stage's stats reply, next to its scheduler's (e.g. free decoders); empty by default."""
+        return {}
 
 
 class BaseScheduler(ABC, Generic[BatchT, ResultT]):

@@ -1,0 +1,215 @@
+"""The asr runner in-process: PocketSphinx decoders on synthesised speech, driven as the stage shell does
+(admit each item, execute batches in arrival order, release a request once it left)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from asr_text import SENTENCES, chunks, speech, word_error_rate
+
+from voice_server.runners.asr_decoders import DecoderPool
+from voice_server.runners.asr_runner import AsrRunner, AsrRunnerConfig
+from voice_server.scheduling import AdmissionError, CapacityError, Emit, EmitKind, SimpleBatch, WorkItem, WorkKind
+
+HISTORY = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
+           {"role": "assistant", "content": "Hello."}]
+MAX_WER = 0.35
+
+
+@pytest.fixture(scope="module")
+def pool() -> DecoderPool:
+    started = time.monotonic()
+    pool = DecoderPool(2)
+    print(f"2 decoders built and warmed in {time.monotonic() - started:.2f} s")
+    return pool
+
+
+@pytest.fixture
+def runner(pool: DecoderPool) -> Iterator[AsrRunner]:
+    runner = AsrRunner(pool, AsrRunnerConfig(max_audio_seconds=10.0))
+    yield runner
+    for request_id in list(runner._requests):  # NOTE: a failed test must not keep decoders from the next
+        runner.release(request_id)
+    assert pool.num_free == pool.num_decoders
+
+
+def run(runner: AsrRunner, items: list[WorkItem]) -> list[Emit]:
+    """Admit then execute `items` as one batch; release the requests that left (as the shell does)."""
+    emits = list(runner.execute(SimpleBatch(tuple(runner.admit(i) for i in items))).emits)
+    for emit in emits:
+        if emit.is_final:
+            runner.release(emit.request_id)
+    return emits
+
+
+def new_stream(rid: str, messages: list[dict[str, Any]] | None = None) -> WorkItem:
+    return WorkItem(rid, WorkKind.NEW, {"messages": HISTORY if messages is None else messages}, is_stream=True)
+
+
+def chunk(rid: str, seq: int, audio: np.ndarray) -> WorkItem:
+    return WorkItem(rid, WorkKind.CHUNK, {"audio": audio}, seq=seq)
+
+
+def done(rid: str, num_chunks: int) -> WorkItem:
+    return WorkItem(rid, WorkKind.DONE, {}, seq=num_chunks)
+
+
+def test_a_streamed_turn_gives_partials_then_the_final_transcript(runner: AsrRunner) -> None:
+    text = SENTENCES[0]
+    pieces = chunks(speech(text), 20)
+    assert run(runner, [new_stream("a")]) == []
+    partials: list[str] = []
+    chunk_s = []
+    for seq, piece in enumerate(pieces):
+        started = time.perf_counter()
+        emits = run(runner, [chunk("a", seq, piece)])
+        chunk_s.append(time.perf_counter() - started)
+        assert all(e.kind is EmitKind.STREAM and set(e.payload) == {"input_transcript_partial"} for e in emits)
+        partials += [e.payload["input_transcript_partial"] for e in emits]
+    [final] = run(runner, [done("a", len(pieces))])
+    print(f"per 20 ms chunk: mean {np.mean(chunk_s) * 1e3:.2f} ms, max {max(chunk_s) * 1e3:.2f} ms; "
+          f"end_utt {runner.stats()['end_utt_us_max'] / 1e3:.1f} ms; {len(partials)} partials")
+    assert len(partials) >= 3 and all(a != b for a, b in zip(partials, partials[1:]))  # only changes
+    transcript = final.payload["input_transcript"]
+    assert final.kind is EmitKind.RESULT and word_error_rate(text, transcript) <= MAX_WER, transcript
+    assert final.payload["messages"] == [*HISTORY, {"role": "user", "content": transcript}]
+    assert word_error_rate(text, partials[-1]) <= MAX_WER  # the last partial had heard it all
+    stats = runner.stats()
+    assert stats["num_utterances"] == 1 and stats["num_requests"] == 0
+
+
+def test_a_batch_of_two_interleaved_streams_transcribes_each_as_if_alone(runner: AsrRunner) -> None:
+    alone = {}
+    for text in SENTENCES[:2]:
+        pieces = chunks(speech(text), 100)
+        emits = run(runner, [new_stream(text, []), *(chunk(text, i, p) for i, p in enumerate(pieces)),
+                             done(text, len(pieces))])
+        assert [e.kind for e in emits] == [EmitKind.RESULT]  # a partial is superseded in its batch
+        alone[text] = emits[-1].payload
+    a, b = (chunks(speech(t), 100) for t in SENTENCES[:2])
+    run(runner, [new_stream("a", []), new_stream("b", [])])
+    emits = []
+    for i in range(0, max(len(a), len(b)), 4):  # batches of four chunks of each request, interleaved
+        items = [chunk(rid, j, pieces[j]) for j in range(i, i + 4) for rid, pieces in (("a", a), ("b", b))
+                 if j < len(pieces)]
+        batch = run(runner, items)
+        assert len(batch) <= 2 and len({e.request_id for e in batch}) == len(batch)  # one partial each at most
+        emits += batch
+    emits += run(runner, [done("b", len(b)), done("a", len(a))])
+    assert [e.request_id for e in emits[-2:]] == ["b", "a"]
+    assert emits[-1].payload == alone[SENTENCES[0]] and emits[-2].payload == alone[SENTENCES[1]]
+
+
+def test_a_whole_request_replaces_each_audio_message_with_its_transcript(runner: AsrRunner) -> None:
+    first, second = SENTENCES[1], SENTENCES[2]
+    messages = [HISTORY[0], {"role": "user", "audio": speech(first)}, {"role": "assistant", "content": "Sure."},
+                {"role": "user", "content": "", "audio": speech(second)}]
+    [result] = run(runner, [WorkItem("w", WorkKind.NEW, {"messages": messages})])
+    out = result.payload["messages"]
+    assert result.kind is EmitKind.RESULT and len(out) == 4
+    assert out[0] == HISTORY[0] and out[2] == {"role": "assistant", "content": "Sure."}
+    assert [set(m) for m in out] == [{"role", "content"}] * 4
+    assert word_error_rate(first, out[1]["content"]) <= MAX_WER, out[1]
+    assert word_error_rate(second, out[3]["content"]) <= MAX_WER, out[3]
+    assert result.payload["input_transcript"] == out[3]["content"]
+    # Each clip is transcribed as if it came alone, whatever the decoder heard before.
+    [again] = run(runner, [WorkItem("x", WorkKind.NEW, {"messages": [messages[3]]})])
+    assert again.payload["input_transcript"] == out[3]["content"]
+    [text_only] = run(runner, [WorkItem("t", WorkKind.NEW, {"messages": HISTORY})])
+    assert text_only.payload == {"input_transcript": "", "messages": HISTORY}
+
+
+def test_a_streamed_turn_transcribes_untranscribed_audio_in_its_history(runner: AsrRunner) -> None:
+    earlier, now = SENTENCES[1], SENTENCES[2]
+    history = [HISTORY[0], {"role": "user", "content": "", "audio": speech(earlier)},
+               {"role": "assistant", "content": "Done."}]
+    pieces = chunks(speech(now), 100)
+    emits = run(runner, [new_stream("h", history), *(chunk("h", i, p) for i, p in enumerate(pieces)),
+                         done("h", len(pieces))])
+    result = emits[-1].payload
+    messages = result["messages"]
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert word_error_rate(earlier, messages[1]["content"]) <= MAX_WER, messages[1]
+    assert word_error_rate(now, result["input_transcript"]) <= MAX_WER
+    assert messages[3] == {"role": "user", "content": result["input_transcript"]}
+
+
+@pytest.mark.parametrize(("item", "match"), [
+    (WorkItem("r", WorkKind.NEW, ["not", "a", "dict"]), r"payload: must be a mapping"),  # type: ignore[arg-type]
+    (WorkItem("r", WorkKind.NEW, {"messages": [], "prompt": "x"}), r"unknown field\(s\) prompt"),
+    (WorkItem("r", WorkKind.NEW, {"messages": []}), r"payload.messages: must be a non-empty list"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user"}]}), r"messages\[0\]: needs 'content'"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "robot", "content": "x"}]}), r"messages\[0\].role"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "content": 3}]}), r"messages\[0\].content"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "assistant", "audio": np.zeros(9, np.float32)}]}),
+     r"messages\[0\].audio: only user messages"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": np.zeros(9)}]}),
+     r"messages\[0\].audio: must be 1-D float32"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": np.zeros(10 * 16000 + 1, np.float32)}]}),
+     r"messages\[0\].audio: 160001 samples is too long"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": np.ones(9, np.float32), "content": "x"}]}),
+     r"either audio or content"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": "x"}]}), r"audio: must be a float32"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "content": "", "audio": None}]}, is_stream=True),
+     r"messages\[0\].audio: must be a float32 numpy array, got NoneType"),
+    (WorkItem("r", WorkKind.NEW, {"messages": "hi"}, is_stream=True), r"payload.messages: must be a list"),
+    (WorkItem("r", WorkKind.CHUNK, {"audio": np.zeros(9, np.float32)}), r"not a streamed turn"),
+])
+def test_malformed_input_is_refused_naming_the_field_and_holds_no_decoder(
+    runner: AsrRunner, item: WorkItem, match: str,
+) -> None:
+    with pytest.raises(AdmissionError, match=match):
+        runner.admit(item)
+    assert runner.pool.num_free == runner.pool.num_decoders
+
+
+@pytest.mark.parametrize(("payload", "match"), [
+    ({"audio": np.zeros(320, np.float64)}, r"payload.audio: must be 1-D float32.*float64"),
+    ({"audio": np.zeros((2, 160), np.float32)}, r"payload.audio: must be 1-D float32.*\[2, 160\]"),
+    ({"audio": np.array([0.0, np.nan], np.float32)}, r"payload.audio: has non-finite values"),
+    ({"audio": np.array([np.inf], np.float32)}, r"payload.audio: has non-finite values"),
+    ({"audio": [0.0, 0.1]}, r"payload.audio: must be a float32 numpy array, got list"),
+    ({"pcm": b"\0\0"}, r"chunk payload: must be \{'audio'"),
+    ("audio", r"chunk payload: must be \{'audio'"),
+])
+def test_a_malformed_chunk_refuses_its_stream_alone(runner: AsrRunner, payload: Any, match: str) -> None:
+    run(runner, [new_stream("bad"), new_stream("good", [])])
+    with pytest.raises(AdmissionError, match=match):
+        runner.admit(WorkItem("bad", WorkKind.CHUNK, payload))
+    runner.release("bad")  # NOTE: what the shell does for a refused request
+    pieces = chunks(speech(SENTENCES[2]), 100)
+    emits = run(runner, [*(chunk("good", i, p) for i, p in enumerate(pieces)), done("good", len(pieces))])
+    assert word_error_rate(SENTENCES[2], emits[-1].payload["input_transcript"]) <= MAX_WER
+
+
+def test_a_turn_longer_than_max_audio_seconds_is_refused(runner: AsrRunner) -> None:
+    run(runner, [new_stream("long")])
+    second = np.zeros(16000, np.float32)
+    for seq in range(10):
+        run(runner, [chunk("long", seq, second)])
+    with pytest.raises(AdmissionError, match=r"payload.audio: 1 samples is too long \(at most 0\)"):
+        runner.admit(chunk("long", 10, second[:1]))
+
+
+def test_all_decoders_lent_refuses_a_new_request_as_capacity_and_release_returns_them(runner: AsrRunner) -> None:
+    audio = speech(SENTENCES[0])
+    run(runner, [new_stream("a"), new_stream("b"), chunk("a", 0, audio[:8000]), chunk("b", 0, audio[:16000])])
+    assert runner.stats()["num_free_decoders"] == 0
+    with pytest.raises(CapacityError, match=r"all 2 speech decoders are busy \(factory_args.max_streams\)"):
+        runner.admit(new_stream("c"))
+    assert runner.stats()["num_busy_refusals"] >= 1
+    runner.release("a")  # aborted mid-utterance: its decoder ends the utterance and is lent again
+    runner.release("b")
+    assert runner.stats()["num_free_decoders"] == 2
+    # A decoder given back mid-utterance transcribes the next turn as a fresh one does.
+    transcripts = []
+    for rid in ("c", "d", "e"):
+        pieces = chunks(audio, 100)
+        emits = run(runner, [new_stream(rid), *(chunk(rid, i, p) for i, p in enumerate(pieces)),
+                             done(rid, len(pieces))])
+        transcripts.append(emits[-1].payload["input_transcript"])
+    assert len(set(transcripts)) == 1 and word_error_rate(SENTENCES[0], transcripts[0]) <= MAX_WER

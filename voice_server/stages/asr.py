@@ -1,0 +1,64 @@
+"""Speech recognition stage (`simple` scheduler, CPU): PocketSphinx on the user's 16 kHz audio.
+
+The entry of the embedded CPU pipeline: `asr` (`next: thinker`, `terminal: true`) -> thinker -> talker.
+It takes a user's turn streamed while they speak (`Coordinator.submit(..., stream_input=True)`) or a
+whole request with audio messages, and hands the thinker the conversation with the user's words as
+text. Payload contract: `voice_server/runners/asr_runner.py`.
+
+factory_args (all optional):
+- `max_streams` (16): requests decoded at once, one PocketSphinx decoder each, all built and warmed
+  before the stage reports ready (~0.25 s and ~90 MB each); one more is refused alone as an overload.
+- `max_audio_seconds` (60): the longest turn (or a whole request's audio); longer is refused alone.
+- `fwdflat` (false): PocketSphinx's second search pass at the end of each utterance (~50 ms more
+  latency before the thinker can start, for no measured accuracy gain on synthetic speech).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from voice_server.config.errors import ConfigError, fail, quoted, show
+from voice_server.engine.runtime import StageContext
+from voice_server.runners.asr_decoders import DecoderOptions, DecoderPool
+from voice_server.runners.asr_runner import DEFAULT_MAX_AUDIO_SECONDS, AsrRunner, AsrRunnerConfig
+
+log = logging.getLogger(__name__)
+
+FACTORY_ARGS = ("max_streams", "max_audio_seconds", "fwdflat")
+DEFAULT_MAX_STREAMS = 16
+MAX_STREAMS_LIMIT = 1024
+"""A sanity bound: each decoder holds ~90 MB."""
+
+
+def create_asr(ctx: StageContext) -> AsrRunner:
+    stage = ctx.stage
+    where = f"stage {quoted(stage.name)}"
+    if stage.scheduler != "simple":
+        raise fail(where, "scheduler", f"the asr stage runs under 'simple', got {show(stage.scheduler)}")
+    if stage.device != "cpu":
+        raise fail(where, "device", f"PocketSphinx runs on the CPU only, got {show(stage.device)}")
+    args = dict(ctx.args)
+    unknown = sorted(str(k) for k in args if k not in FACTORY_ARGS)
+    if unknown:
+        raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(FACTORY_ARGS)}")
+    max_streams = args.get("max_streams", DEFAULT_MAX_STREAMS)
+    if isinstance(max_streams, bool) or not isinstance(max_streams, int) \
+            or not 1 <= max_streams <= MAX_STREAMS_LIMIT:
+        raise fail(where, "factory_args.max_streams", f"must be an integer in [1, {MAX_STREAMS_LIMIT}], "
+                   f"got {show(max_streams)}")
+    max_seconds = args.get("max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
+    if isinstance(max_seconds, bool) or not isinstance(max_seconds, int | float) or not 0 < max_seconds < math.inf:
+        raise fail(where, "factory_args.max_audio_seconds", f"must be a number > 0, got {show(max_seconds)}")
+    is_fwdflat: Any = args.get("fwdflat", False)
+    if not isinstance(is_fwdflat, bool):
+        raise fail(where, "factory_args.fwdflat", f"must be true or false, got {show(is_fwdflat)}")
+    log.info("stage %s: building %d PocketSphinx decoders (en-us, fwdflat %s)", stage.name, max_streams,
+             "on" if is_fwdflat else "off")
+    try:
+        pool = DecoderPool(max_streams, DecoderOptions(is_fwdflat=is_fwdflat), name=stage.name)
+    except RuntimeError as exc:  # NOTE: PocketSphinx's own error for a model it cannot load
+        raise ConfigError(f"{where}: cannot build a speech decoder: {exc}") from exc
+    log.info("stage %s: %d decoders ready in %.2f s", stage.name, max_streams, pool.load_s)
+    return AsrRunner(pool, AsrRunnerConfig(float(max_seconds)))
