@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 from asr_text import SENTENCES, chunks, speech, word_error_rate
 
+from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.asr_decoders import DecoderPool
 from voice_server.runners.asr_runner import AsrRunner, AsrRunnerConfig
 from voice_server.scheduling import AdmissionError, CapacityError, Emit, EmitKind, SimpleBatch, WorkItem, WorkKind
+from voice_server.scheduling.contract import SamplingParams
 
 HISTORY = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
            {"role": "assistant", "content": "Hello."}]
@@ -213,3 +215,22 @@ def test_all_decoders_lent_refuses_a_new_request_as_capacity_and_release_returns
                              done(rid, len(pieces))])
         transcripts.append(emits[-1].payload["input_transcript"])
     assert len(set(transcripts)) == 1 and word_error_rate(SENTENCES[0], transcripts[0]) <= MAX_WER
+
+
+def test_the_thinker_takes_the_asr_result_as_its_request(runner: AsrRunner) -> None:
+    # NOTE: the asr stage's RESULT is the thinker's NewRequest payload (`next`); its input_transcript
+    # is for the client, and the thinker's admission (the AR runners') ignores it.
+    pieces = chunks(speech(SENTENCES[0]), 100)
+    [result] = run(runner, [new_stream("t"), *(chunk("t", i, p) for i, p in enumerate(pieces)),
+                            done("t", len(pieces))])
+    seen = []
+
+    def encode_chat(messages: Any) -> list[int]:
+        seen.append(messages)
+        return [1, 2, 3]
+
+    rules = AdmissionRules(vocab_size=16, max_model_len=64, sampling_defaults=SamplingParams(), encode_chat=encode_chat)
+    admitted = admit(WorkItem("t", WorkKind.NEW, result.payload), rules)
+    assert admitted.payload == {"token_ids": [1, 2, 3]} and seen == [result.payload["messages"]]
+    with pytest.raises(AdmissionError, match=r"unknown field\(s\) input_transcript"):
+        admit(WorkItem("p", WorkKind.NEW, {"prompt": "hi", "input_transcript": "hi"}), rules)

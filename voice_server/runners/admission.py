@@ -1,6 +1,7 @@
 """Checking and converting an AR stage's request input into token ids (the runner's `admit`).
 
-NEW payloads: `{"messages": [{"role", "content"}, ...]}` (chat template with generation prompt),
+NEW payloads: `{"messages": [{"role", "content"}, ...]}` (chat template with generation prompt; an
+`input_transcript` beside them, from the asr stage, is ignored),
 `{"prompt": str}` or `{"token_ids": [int, ...]}`; an empty payload only for a streamed request
 (its input arrives as CHUNKs). CHUNK payloads: `{"text": str}` or `{"token_ids": [...]}`.
 Every refusal is an `AdmissionError` naming the offending field.
@@ -18,6 +19,9 @@ from voice_server.scheduling.contract import SamplingParams
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
+_TRANSCRIPT_KEYS = ("input_transcript",)
+"""What a transcribing stage before this one (asr) adds to its `messages` result for the client; the
+messages already end with that text, so it is ignored here."""
 _MAX_CHARS_PER_TOKEN = 32
 """Text longer than this many characters per allowed token is refused before tokenising it."""
 
@@ -76,7 +80,8 @@ def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules) -> list[int]:
     keys = [k for k in ("messages", "prompt", "token_ids") if k in payload]
     if len(keys) != 1:
         raise AdmissionError("payload: needs exactly one of 'messages', 'prompt', 'token_ids'")
-    unknown = sorted(str(k) for k in payload if k != keys[0])
+    ignored = _TRANSCRIPT_KEYS if keys[0] == "messages" else ()
+    unknown = sorted(str(k) for k in payload if k != keys[0] and k not in ignored)
     if unknown:
         raise AdmissionError(f"payload: unknown field(s) {', '.join(unknown)}")
     key = keys[0]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -54,17 +55,21 @@ def build_decoder(options: DecoderOptions) -> Decoder:
 class DecoderPool:
     """`num_decoders` decoders built at construction; `acquire` lends a free one (None when all are lent)."""
 
-    def __init__(self, num_decoders: int, options: DecoderOptions | None = None, name: str = "asr") -> None:
+    def __init__(
+        self, num_decoders: int, options: DecoderOptions | None = None, name: str = "asr",
+        progress: Callable[[str], None] | None = None,
+    ) -> None:
+        """`progress` hears each start-up step (the stage's `ctx.progress`); by default they are logged."""
         if isinstance(num_decoders, bool) or not isinstance(num_decoders, int) or num_decoders < 1:
             raise ValueError(f"DecoderPool.num_decoders: must be an integer >= 1, got {num_decoders!r}")
         self.options = options or DecoderOptions()
         self.name = name
+        report = progress or (lambda phase: log.info("stage %s: %s", name, phase))
         started = time.monotonic()
         self._free: list[Decoder] = []
         for index in range(num_decoders):
+            report(f"building speech decoders ({index}/{num_decoders} ready, {time.monotonic() - started:.1f} s)")
             self._free.append(self._build())
-            log.info("stage %s: speech decoder %d/%d ready (%.2f s)", name, index + 1, num_decoders,
-                     time.monotonic() - started)
         self.num_decoders = num_decoders
         self.load_s = time.monotonic() - started
         """Seconds it took to build and warm the whole pool."""
