@@ -1,5 +1,6 @@
-"""Speech <-> text checks for tests: word error rate, and a pocketsphinx transcriber (en-us model
-bundled with the `pocketsphinx` package) that reads any supported sample rate.
+"""Speech <-> text for tests: speech synthesised at test time (hibari's bundled `heart` voice), word
+error rate, and a pocketsphinx transcriber (en-us model bundled with the `pocketsphinx` package) that
+reads any supported sample rate.
 
     transcript = transcribe(pcm, 24000)
     assert word_error_rate("Hello there.", transcript) <= 0.35
@@ -19,6 +20,12 @@ from voice_server.audio.pcm import float32_to_pcm16
 
 ASR_RATE = 16000
 """The bundled en-us acoustic model's rate."""
+TTS_RATE = 24000
+SENTENCES = (
+    "please tell me the weather in london tomorrow morning",
+    "i would like to book a table for two people tonight",
+    "what time does the train leave for new york city",
+)
 _NOT_WORD = re.compile(r"[^a-z0-9' ]+")
 
 
@@ -67,3 +74,30 @@ def transcribe(pcm: npt.NDArray[np.floating], sample_rate: int) -> str:
     decoder.end_utt()
     hyp = decoder.hyp()
     return hyp.hypstr if hyp is not None else ""
+
+
+@functools.cache
+def _voice() -> Any:
+    from hibari import Hibari
+
+    return Hibari(voice="heart")
+
+
+@functools.cache
+def _speech(text: str, silence_s: float) -> npt.NDArray[np.float32]:
+    resampler = StreamResampler(TTS_RATE, ASR_RATE)
+    audio = np.concatenate([resampler.process(_voice()(text)), resampler.flush()])[resampler.spec.delay_out:]
+    silence = np.zeros(int(silence_s * ASR_RATE), np.float32)
+    speech = np.concatenate([silence, audio, silence]).astype(np.float32)
+    speech.setflags(write=False)  # NOTE: cached and shared between tests
+    return speech
+
+
+def speech(text: str, silence_s: float = 0.3) -> npt.NDArray[np.float32]:
+    """`text` spoken, as float32 16 kHz mono, with `silence_s` of silence on each side."""
+    return _speech(text, silence_s)
+
+
+def chunks(audio: npt.NDArray[np.float32], chunk_ms: int = 20) -> list[npt.NDArray[np.float32]]:
+    step = ASR_RATE * chunk_ms // 1000
+    return [audio[i:i + step] for i in range(0, len(audio), step)]

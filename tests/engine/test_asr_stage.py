@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from asr_text import SENTENCES, chunks, speech, word_error_rate
 from harness import Pipeline, shm_segments
+from speech_text import SENTENCES, chunks, speech, word_error_rate
 
 from voice_server.config import ConfigError, pipeline_from_dict
 from voice_server.engine.coordinator import Coordinator, OverloadError, RequestError, RequestStream

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from asr_text import SENTENCES, chunks, speech, word_error_rate
+from speech_text import SENTENCES, chunks, speech, word_error_rate
 
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.asr_decoders import DecoderPool

@@ -80,6 +80,7 @@ class OpenTurn:
     """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
 
     def send(self, pcm16: npt.NDArray[np.int16]) -> None:
+        """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
         audio = pcm16_to_float32(pcm16)
         if self.resampler is not None:
             audio = self.resampler.process(audio)
@@ -114,7 +115,7 @@ class Session:
         self._num_input_samples += pcm16.size
         self._trim_buffer()
         if self._turn is not None:
-            self._turn.send(pcm16)
+            await self._send_turn_audio(pcm16)
         if self.detector is None:
             return
         for event in self.detector.feed(pcm16):
@@ -254,7 +255,17 @@ class Session:
         resampler = None if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE)
         self._turn = OpenTurn(run, stream.input, asyncio.create_task(self._respond_to(run, stream)), resampler)
         pcm = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
-        self._turn.send(pcm[max(0, (start_ms - self._buffer_start_ms) * rate // 1000):])
+        await self._send_turn_audio(pcm[max(0, (start_ms - self._buffer_start_ms) * rate // 1000):])
+
+    async def _send_turn_audio(self, pcm16: npt.NDArray[np.int16]) -> None:
+        assert self._turn is not None
+        try:
+            self._turn.send(pcm16)
+        except RequestError as exc:
+            # NOTE: a chunk lost would leave a hole in the turn: drop the streamed request; the turn's
+            # end then sends the committed audio as a whole request (the pipeline transcribes it then).
+            self._drop_turn()
+            await self.emit(SessionError("pipeline_overloaded", f"streaming the turn failed: {exc}"))
 
     async def _end_turn(self, is_committed: bool) -> None:
         """Speech stopped: the turn's stream ends and, with its audio committed, its response starts."""
@@ -263,11 +274,16 @@ class Session:
         if not is_committed:
             turn.task.cancel()
             return
-        turn.input.end()
         if self._is_responding():
             await self.cancel_response()
+        if turn.task.done():
+            # NOTE: the streamed request failed while the user spoke (e.g. every decoder busy): the
+            # committed audio goes as a whole request, which reports its own outcome.
+            await self.create_response()
+            return
+        turn.input.end()
         self.conversation.add(turn.run.item)
-        turn.run.start()
+        turn.run.start()  # NOTE: no await since the check above: the task cannot have ended unseen
         self._response, self._run, self.played_ms = turn.task, turn.run, None
         await self.emit(ResponseStarted(turn.run.response_id, turn.run.item.item_id))
 
