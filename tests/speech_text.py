@@ -29,10 +29,27 @@ SENTENCES = (
 _NOT_WORD = re.compile(r"[^a-z0-9' ]+")
 
 
+_ONES = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+         "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+_TENS = ["_", "_", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+
+
+def _spoken_number(word: str) -> list[str]:
+    """Digits as a voice says them ("8" -> eight, "42" -> forty two); other words unchanged."""
+    if not word.isdigit() or int(word) > 99:
+        return [word]
+    value = int(word)
+    if value < 20:
+        return [_ONES[value]]
+    return [_TENS[value // 10]] + ([_ONES[value % 10]] if value % 10 else [])
+
+
 def normalize_words(text: str) -> list[str]:
-    """Lowercased words without punctuation (hyphens and dashes separate words; apostrophes stay)."""
+    """Lowercased words without punctuation (hyphens and dashes separate words; apostrophes stay), and
+    numbers below 100 as words (a text's "8" is spoken, and heard, as "eight")."""
     text = text.lower().replace("’", "'").replace("-", " ").replace("—", " ").replace("–", " ")
-    return [w.strip("'") for w in _NOT_WORD.sub(" ", text).split() if w.strip("'")]
+    words = [w.strip("'") for w in _NOT_WORD.sub(" ", text).split() if w.strip("'")]
+    return [spoken for word in words for spoken in _spoken_number(word)]
 
 
 def word_error_rate(reference: str, hypothesis: str) -> float:

@@ -11,7 +11,7 @@
 3. The server sends JSON events `speech_started`, `speech_stopped`, `input_committed`,
    `input_transcript_delta` (`item_id`, `delta`) and `input_transcript_done` (`item_id`, `transcript`)
    where the pipeline transcribes the user, `response_started`, `text_delta`, `response_done`
-   (`status`, `text`, `audio_ms`, `timings_ms`), `item_truncated`, `error` (`code`, `message`), and
+   (`status`, `text`, `audio_ms`, `timings_ms`, `usage`), `item_truncated`, `error` (`code`, `message`), and
    binary frames of PCM16 at `output_rate`: the audio of the response between its `response_started`
    and `response_done`.
 
@@ -100,7 +100,7 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
     if isinstance(event, ResponseDone):
         return {"type": "response_done", "response_id": event.response_id, "item_id": event.item_id,
                 "status": event.status, "text": event.text, "audio_ms": event.num_audio_ms,
-                "timings_ms": event.timings_ms, "error": event.error}
+                "timings_ms": event.timings_ms, "usage": event.usage, "error": event.error}
     if isinstance(event, ItemTruncated):
         return {"type": "item_truncated", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
     assert isinstance(event, SessionError)
