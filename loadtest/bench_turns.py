@@ -53,8 +53,11 @@ def synthesize(texts: tuple[str, ...]) -> list[np.ndarray]:
     tts = Hibari()  # NOTE: the bundled default voice; other voices would download
     out = []
     for text in texts:
-        audio = np.asarray(tts(text, seed=0), dtype=np.float32).reshape(-1)
-        out.append(StreamResampler(24000, RATE).process(audio))
+        audio = StreamResampler(24000, RATE).process(np.asarray(tts(text, seed=0), dtype=np.float32).reshape(-1))
+        # NOTE: cut the synthesiser's own leading and trailing quiet (below -50 dBFS), so the last sample
+        # sent is the last voiced one: `spoken` then counts from where a listener hears the voice stop.
+        voiced = np.flatnonzero(np.abs(audio) > 10 ** (-50 / 20))
+        out.append(audio[voiced[0]:voiced[-1] + 1])
     return out
 
 
