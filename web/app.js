@@ -40,6 +40,8 @@ let reportTimer = null;
 // The latest response: {id, itemId, start (its first sample's position in the reply stream),
 // isAccepting (its audio is still wanted), isDone, isFlushed, lastReportedMs, startedAt, firstAudioAt}.
 let response = null;
+// Replies cut short, by item id: {why, playedMs (what this page played), keptMs (what the server kept)}.
+const cuts = new Map();
 
 function setState(state, detail = "") {
   demo.state = state;
@@ -173,8 +175,7 @@ const handlers = {
   },
   item_truncated(e) {
     demo.truncations.push({ itemId: e.item_id, audioEndMs: e.audio_end_ms });
-    if (chat.has(e.item_id)) chat.update(e.item_id, "assistant", { state: `heard ${e.audio_end_ms} ms (kept in the conversation)` });
-    chat.mark(e.item_id, "interrupted");
+    noteCut(e.item_id, { keptMs: e.audio_end_ms });
   },
   response_done(e) {
     const r = response?.id === e.response_id ? response : null;
@@ -187,12 +188,16 @@ const handlers = {
     };
     demo.turns.push(turn);
     chart.add(`#${demo.turns.length}`, e.timings_ms);
-    const wasCut = chat.bubbles.get(e.item_id)?.element.classList.contains("interrupted");
-    chat.update(e.item_id, "assistant", {
-      text: e.text,
-      state: e.status === "completed" ? `${e.audio_ms} ms of audio${firstAudioMs != null ? `, first audio after ${firstAudioMs.toFixed(0)} ms` : ""}`
-        : e.status === "failed" ? `failed: ${e.error}` : wasCut ? chat.bubbles.get(e.item_id).entry.state : e.status,
-    });
+    // NOTE: the server's text of a cut reply is the words spoken up to where it was cut.
+    chat.update(e.item_id, "assistant", { text: e.text });
+    if (cuts.has(e.item_id)) {
+      noteCut(e.item_id, {});
+    } else if (e.status === "completed") {
+      const latency = firstAudioMs != null ? `, first audio after ${firstAudioMs.toFixed(0)} ms` : "";
+      chat.update(e.item_id, "assistant", { state: `${e.audio_ms} ms of audio${latency}` });
+    } else {
+      chat.update(e.item_id, "assistant", { state: e.status === "failed" ? `failed: ${e.error}` : e.status });
+    }
     if (e.status !== "completed") chat.mark(e.item_id, e.status);
   },
   error(e) {
@@ -236,15 +241,27 @@ async function interrupt(r, why) {
   r.isAccepting = false;
   r.isFlushed = true;
   if (why === "interrupted") demo.numBargeIns += 1;
+  noteCut(r.itemId, { why });
   const heard = await player.flush();
   const playedMs = playedMsOf(r, heard);
   sendReport(r, playedMs);
   demo.interruptions.push({
     responseId: r.id, why, playedMs, receivedMs: playedMsOf(r, player.written), totalPlayedSamples: player.played,
   });
-  chat.update(r.itemId, "assistant", { state: `${why} after ${playedMs} ms played` });
-  chat.mark(r.itemId, "interrupted");
+  noteCut(r.itemId, { playedMs });
   showStats();
+}
+
+// A cut reply's note: what this page played, and what the server kept in the conversation (the last
+// playback report it had when the speech started, or everything sent without one).
+function noteCut(itemId, part) {
+  const cut = { ...cuts.get(itemId), ...part };
+  cuts.set(itemId, cut);
+  const notes = [cut.why ?? "interrupted"];
+  if (cut.playedMs != null) notes.push(`${cut.playedMs} ms played`);
+  if (cut.keptMs != null) notes.push(`${cut.keptMs} ms kept`);
+  chat.update(itemId, "assistant", { state: notes.join(", ") });
+  chat.mark(itemId, "interrupted");
 }
 
 // -- controls ------------------------------------------------------------------------------------------

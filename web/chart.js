@@ -4,6 +4,7 @@
 
 const MAX_BARS = 24;
 const SENT = "first_audio_sent";
+const SENT_COLOR = "#bab0ac";
 const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f"];
 
 export class LatencyChart {
@@ -12,7 +13,7 @@ export class LatencyChart {
     this.legend = legend;
     this.summary = summary;
     this.points = []; // {label, totalMs, segments: [{name, fromMs, toMs}]}
-    this.colors = new Map([[SENT, "#bab0ac"]]);
+    this.colors = new Map(); // stage name -> color, in the order stages first appeared
     this.draw();
   }
 
@@ -36,7 +37,7 @@ export class LatencyChart {
     this.points.push(point);
     if (this.points.length > MAX_BARS) this.points.shift();
     for (const { name } of segments) {
-      if (!this.colors.has(name)) this.colors.set(name, PALETTE[(this.colors.size - 1) % PALETTE.length]);
+      if (name !== SENT && !this.colors.has(name)) this.colors.set(name, PALETTE[this.colors.size % PALETTE.length]);
     }
     this.draw();
     this.describe(point);
@@ -47,7 +48,7 @@ export class LatencyChart {
     const steps = point.segments.map((s) => `${s.name === SENT ? "sent" : s.name} ${s.toMs.toFixed(0)}`).join(" → ");
     this.summary.textContent = `last first-audio latency: ${point.totalMs.toFixed(0)} ms (${steps} ms)`;
     this.legend.replaceChildren(
-      ...[...this.colors].map(([name, color]) => {
+      ...[...this.colors, [SENT, SENT_COLOR]].map(([name, color]) => {
         const item = document.createElement("li");
         const swatch = document.createElement("span");
         swatch.className = "swatch";
@@ -86,8 +87,6 @@ export class LatencyChart {
       ctx.stroke();
       ctx.fillText(`${ms.toFixed(0)}`, left - 4, y(ms));
     }
-    ctx.textAlign = "left";
-    ctx.fillText("ms", 2, top + 2);
     if (this.points.length === 0) {
       ctx.textAlign = "center";
       ctx.fillText("no turns yet", (left + width) / 2, (top + bottom) / 2);
@@ -98,7 +97,7 @@ export class LatencyChart {
     this.points.forEach((point, i) => {
       const x = left + i * slot + (slot - barWidth) / 2;
       for (const seg of point.segments) {
-        ctx.fillStyle = this.colors.get(seg.name);
+        ctx.fillStyle = seg.name === SENT ? SENT_COLOR : this.colors.get(seg.name);
         ctx.fillRect(x, y(seg.toMs), barWidth, y(seg.fromMs) - y(seg.toMs));
       }
     });

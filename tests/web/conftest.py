@@ -1,4 +1,5 @@
-"""The browser demo's tests reuse the session servers of `tests/server` (`session_server`, `live_server`)."""
+"""The browser demo's tests: their helpers (`demo_browser`) and the session servers of `tests/server`
+(`session_server`, `live_server`) are importable from them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from session_server import SessionServer, serve  # noqa: E402
 
 

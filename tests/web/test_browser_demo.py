@@ -8,127 +8,55 @@ spoken turn committed by the server's VAD (a user bubble), receive and play the 
 the playback worklet, show the reply's words, chart its first-audio latency, take a typed turn, and on
 barge-in (the looped voice speaking over a long reply) flush playback and report what was played.
 
-A screenshot of each run goes to $VOICE_SERVER_ARTIFACTS (default: test-artifacts/ at the top of the
-repository).
+Screenshots: `browser-demo.png` and `browser-demo-barge-in.png` in $VOICE_SERVER_ARTIFACTS (default:
+test-artifacts/ at the top of the repository).
 """
 
 from __future__ import annotations
 
-import os
-import wave
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+from demo_browser import DemoPage, chromium, require_browser, write_wav
 from session_server import SessionServer
 from speech_signals import signal_of
 
-from voice_server.audio import float32_to_pcm16
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
-try:
-    from playwright.sync_api import Browser, ConsoleMessage, Page, sync_playwright
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-except ImportError:
-    pytest.skip("playwright is not installed: pip install -e '.[dev]'", allow_module_level=True)
+require_browser()
 
-ROOT = Path(__file__).resolve().parents[2]
-CHROMIUM = Path(os.environ.get("VOICE_SERVER_CHROMIUM", "/usr/bin/chromium"))
-if not CHROMIUM.is_file():
-    pytest.skip(f"no chromium at {CHROMIUM}: apt-get install -y chromium (or set VOICE_SERVER_CHROMIUM)",
-                allow_module_level=True)
+OpenDemo = Callable[[str], DemoPage]
 
 WAV_RATE = 48000
 # NOTE: one spoken turn per loop: silence, then 1.5 s of voice, then enough silence for the VAD to end
 # the turn (500 ms) and for a short reply to play out before the loop speaks again.
 LOOP = (("noise", 1000), ("voice", 1500), ("noise", 5500))
-# NOTE: generous: a busy 2-core machine runs chromium and the stage processes.
-EVENT_TIMEOUT_MS = 60_000
-
-
-def artifacts_dir() -> Path:
-    path = Path(os.environ.get("VOICE_SERVER_ARTIFACTS") or ROOT / "test-artifacts")
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def write_wav(path: Path) -> Path:
-    """A 16-bit PCM mono WAV of the loop (what chromium's fake capture device reads)."""
-    pcm = float32_to_pcm16(signal_of(WAV_RATE, *LOOP))
-    with wave.open(str(path), "wb") as f:
-        f.setnchannels(1)
-        f.setsampwidth(2)
-        f.setframerate(WAV_RATE)
-        f.writeframes(pcm.astype("<i2").tobytes())
-    return path
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
-    wav = write_wav(tmp_path_factory.mktemp("mic") / "speech.wav")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=[
-            "--no-sandbox",  # NOTE: CI runs as root, where chromium's sandbox cannot start
-            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
-            f"--use-file-for-fake-audio-capture={wav}", "--autoplay-policy=no-user-gesture-required",
-        ])
+    wav = write_wav(tmp_path_factory.mktemp("mic") / "speech.wav", signal_of(WAV_RATE, *LOOP), WAV_RATE)
+    with chromium(wav) as browser:
         yield browser
-        browser.close()
-
-
-class DemoPage:
-    """The page, with the console errors it logged (a CSP violation or a failed module is one)."""
-
-    def __init__(self, page: Page) -> None:
-        self.page = page
-        self.errors: list[str] = []
-        page.on("console", self._on_console)
-        page.on("pageerror", lambda exc: self.errors.append(f"page error: {exc}"))
-
-    def _on_console(self, message: ConsoleMessage) -> None:
-        if message.type == "error":
-            self.errors.append(message.text)
-
-    def wait(self, condition: str, timeout_ms: int = EVENT_TIMEOUT_MS) -> None:
-        """Until the JavaScript expression over `demo` (window.demo) is true.
-
-        NOTE: a function, not an expression: Playwright evaluates a bare expression with `eval`, which
-        the page's CSP (rightly) refuses; a function is compiled by the devtools protocol instead."""
-        try:
-            self.page.wait_for_function(f"() => {{ const demo = window.demo; return {condition}; }}",
-                                        timeout=timeout_ms)
-        except PlaywrightTimeout:
-            raise AssertionError(f"never true: {condition}\npage state: {self.state()}\n"
-                                 f"console errors: {self.errors}") from None
-
-    def state(self) -> dict[str, Any]:
-        return dict(self.page.evaluate("JSON.parse(JSON.stringify(window.demo))"))
-
-    def screenshot(self, name: str) -> Path:
-        path = artifacts_dir() / name
-        self.page.screenshot(path=str(path), full_page=True)
-        return path
 
 
 @pytest.fixture
-def open_demo(browser: Browser, server: SessionServer) -> Iterator[Any]:
-    contexts = []
+def open_demo(browser: Browser, server: SessionServer) -> Iterator[OpenDemo]:
+    pages: list[DemoPage] = []
 
     def open_(query: str) -> DemoPage:
-        context = browser.new_context(viewport={"width": 1200, "height": 800})
-        contexts.append(context)
-        demo = DemoPage(context.new_page())
-        demo.page.goto(f"http://127.0.0.1:{server.port}/{query}")
-        demo.page.click("#start")
-        demo.wait("demo.state === 'connected'")
+        pages.append(demo := DemoPage(browser, f"http://127.0.0.1:{server.port}/{query}"))
+        demo.start()
         return demo
 
     yield open_
-    for context in contexts:
-        context.close()
+    for demo in pages:
+        demo.close()
 
 
-def test_a_spoken_turn_gets_a_spoken_reply_in_the_browser(open_demo: Any) -> None:
+def test_a_spoken_turn_gets_a_spoken_reply_in_the_browser(open_demo: OpenDemo) -> None:
     demo = open_demo("?max_tokens=12")
     assert demo.state()["microphone"], "the fake microphone was not opened"
     # The server's VAD ends the looped voice's turn: a committed user bubble.
@@ -163,7 +91,7 @@ def test_a_spoken_turn_gets_a_spoken_reply_in_the_browser(open_demo: Any) -> Non
     assert demo.errors == [] and demo.state()["errors"] == []
 
 
-def test_speaking_over_a_reply_stops_its_playback_and_reports_what_was_played(open_demo: Any) -> None:
+def test_speaking_over_a_reply_stops_its_playback_and_reports_what_was_played(open_demo: OpenDemo) -> None:
     # A long reply (400 words of 80 ms, generated at 30 ms a word): the loop's next voice lands while it
     # is still playing, and most likely while it is still being generated. Either way the server cuts
     # the reply to what the page reported playing.
