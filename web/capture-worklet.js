@@ -23,15 +23,17 @@ function lowPass(cutoff, numTaps) {
 }
 
 // Streaming resampler: low-pass (when going down) then linear interpolation between filtered samples.
+// NOTE: no allocation per render quantum (the audio thread must not wait on the garbage collector):
+// input accumulates in one growable buffer, outputs go to a callback.
 class Resampler {
   constructor(inRate, outRate) {
     this.step = inRate / outRate; // input samples per output sample
     // NOTE: cutoff at 90% of the output's Nyquist frequency, in cycles per input sample.
     this.taps = this.step > 1 ? lowPass(0.45 / this.step, 16 * Math.ceil(this.step) + 1) : new Float32Array([1]);
     this.half = (this.taps.length - 1) / 2;
-    this.buf = new Float32Array(0); // input not yet consumed, with `half` samples of history
+    this.buf = new Float32Array(this.taps.length + 1024);
+    this.len = this.taps.length - 1; // starts with `taps - 1` samples of silence as history
     this.pos = this.half; // the next output's position in `buf` (fractional)
-    if (this.step > 1) this.buf = new Float32Array(this.taps.length - 1); // start from silence
   }
 
   filtered(i) {
@@ -42,23 +44,25 @@ class Resampler {
     return acc;
   }
 
-  process(input) {
-    const joined = new Float32Array(this.buf.length + input.length);
-    joined.set(this.buf);
-    joined.set(input, this.buf.length);
-    this.buf = joined;
-    const out = [];
-    while (Math.floor(this.pos) + 1 + this.half < this.buf.length) {
+  process(input, emit) {
+    if (this.len + input.length > this.buf.length) {
+      const grown = new Float32Array(2 * (this.len + input.length));
+      grown.set(this.buf.subarray(0, this.len));
+      this.buf = grown;
+    }
+    this.buf.set(input, this.len);
+    this.len += input.length;
+    while (Math.floor(this.pos) + 1 + this.half < this.len) {
       const i = Math.floor(this.pos);
       const frac = this.pos - i;
       const a = this.filtered(i);
-      out.push(frac === 0 ? a : a + frac * (this.filtered(i + 1) - a));
+      emit(frac === 0 ? a : a + frac * (this.filtered(i + 1) - a));
       this.pos += this.step;
     }
-    const drop = Math.max(0, Math.floor(this.pos) - this.half);
-    this.buf = this.buf.slice(drop);
+    const drop = Math.min(this.len, Math.max(0, Math.floor(this.pos) - this.half));
+    this.buf.copyWithin(0, drop, this.len);
+    this.len -= drop;
     this.pos -= drop;
-    return out;
   }
 }
 
@@ -71,29 +75,28 @@ class CaptureProcessor extends AudioWorkletProcessor {
     this.frame = new Int16Array(this.frameLength);
     this.filled = 0;
     this.sumSquares = 0; // over the frame being filled: its level for the meter
+    this.emit = (value) => this.add(value);
+  }
+
+  add(value) {
+    const clipped = Math.max(-1, Math.min(1, value));
+    this.frame[this.filled++] = clipped < 0 ? clipped * 0x8000 : clipped * 0x7fff;
+    this.sumSquares += clipped * clipped;
+    if (this.filled === this.frameLength) {
+      const level = Math.sqrt(this.sumSquares / this.frameLength);
+      // NOTE: transferred, not copied: the old frame is detached (length 0) from here on.
+      this.port.postMessage({ pcm: this.frame.buffer, level }, [this.frame.buffer]);
+      this.frame = new Int16Array(this.frameLength);
+      this.filled = 0;
+      this.sumSquares = 0;
+    }
   }
 
   process(inputs) {
-    const channels = inputs[0];
-    if (!channels || channels.length === 0) return true; // NOTE: no input yet (or the track ended)
-    let mono = channels[0];
-    if (channels.length > 1) {
-      mono = new Float32Array(mono.length);
-      for (const ch of channels) for (let i = 0; i < ch.length; i++) mono[i] += ch[i] / channels.length;
-    }
-    for (const value of this.resampler.process(mono)) {
-      const clipped = Math.max(-1, Math.min(1, value));
-      this.frame[this.filled++] = clipped < 0 ? clipped * 0x8000 : clipped * 0x7fff;
-      this.sumSquares += clipped * clipped;
-      if (this.filled === this.frameLength) {
-        const level = Math.sqrt(this.sumSquares / this.frameLength);
-        // NOTE: transferred, not copied: the old frame is detached (length 0) from here on.
-        this.port.postMessage({ pcm: this.frame.buffer, level }, [this.frame.buffer]);
-        this.frame = new Int16Array(this.frameLength);
-        this.filled = 0;
-        this.sumSquares = 0;
-      }
-    }
+    // NOTE: one channel: the node is created with channelCount 1 ("explicit"), so the graph downmixes.
+    const mono = inputs[0]?.[0];
+    if (!mono) return true; // NOTE: no input yet (or the track ended)
+    this.resampler.process(mono, this.emit);
     return true;
   }
 }

@@ -37,6 +37,8 @@ require_browser()
 STEP_TIMEOUT_S = 60.0
 TIMINGS_MS = {"thinker": 80.0, "talker": 120.5, "code2wav": 150.0, "first_audio_sent": 161.0}
 TYPED = "typed words"
+IN_BAND_HZ = 440
+ABOVE_BAND_HZ = 12000
 
 
 def tone(num_ms: int) -> bytes:
@@ -50,6 +52,7 @@ class Peer:
     def __init__(self, ws: WebSocket, record: dict[str, Any]) -> None:
         self.ws, self.record = ws, record
         record["frame_sizes"] = []
+        record["audio"] = bytearray()
         record["messages"] = []
 
     async def receive(self) -> dict[str, Any] | None:
@@ -61,6 +64,7 @@ class Peer:
             return None
         if message.get("bytes") is not None:
             self.record["frame_sizes"].append(len(message["bytes"]))
+            self.record["audio"] += message["bytes"]
             return {"type": "(audio)"}
         event = json.loads(message["text"])
         self.record["messages"].append(event)
@@ -96,7 +100,7 @@ async def conversation(peer: Peer) -> None:
     record = peer.record
     record["start"] = await peer.next("session.start")
     await peer.send(type="session.started", input_rate=16000, output_rate=24000, turn_detection="server_vad")
-    await peer.frames(10)
+    await peer.frames(50)  # NOTE: a second of microphone audio at least, for the spectrum checked at the end
     # A spoken turn of a transcribing pipeline: the transcript streams, then the commit (text empty).
     await peer.send(type="speech_started", item_id="item_u1", audio_start_ms=0)
     await peer.send(type="speech_stopped", item_id="item_u1", audio_end_ms=1200)
@@ -176,10 +180,11 @@ def scripted(request: pytest.FixtureRequest) -> Iterator[ScriptedServer]:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
-    # NOTE: the microphone only has to produce frames here (the script plays the VAD's part): a low hum.
+    # NOTE: the script plays the VAD's part, so the microphone plays tones: one in band, one above the
+    # 8 kHz Nyquist frequency of 16 kHz input that resampling must filter out (else it aliases to 4 kHz).
     t = np.arange(48000) / 48000
-    wav = write_wav(tmp_path_factory.mktemp("mic") / "hum.wav", (0.01 * np.sin(2 * np.pi * 120 * t)).astype(np.float32),
-                    48000)
+    signal = 0.05 * np.sin(2 * np.pi * IN_BAND_HZ * t) + 0.05 * np.sin(2 * np.pi * ABOVE_BAND_HZ * t)
+    wav = write_wav(tmp_path_factory.mktemp("mic") / "tones.wav", signal.astype(np.float32), 48000)
     with chromium(wav) as browser:
         yield browser
 
@@ -243,6 +248,14 @@ def _converse(demo: DemoPage, scripted: ScriptedServer) -> None:
     assert record["start"] == {"type": "session.start", "input_rate": 16000, "output_rate": 24000,
                                "turn_detection": {"type": "server_vad"}}
     assert set(record["frame_sizes"]) == {640}, "20 ms frames of PCM16 at 16 kHz"
+    # The capture worklet resampled to 16 kHz at the right ratio (the tone is where it was) and filtered
+    # first: the tone above 8 kHz is gone rather than aliased to 16 - 12 = 4 kHz (without the filter it
+    # comes out at about 3/4 of the in-band tone's height; with it, below 1/1000).
+    pcm = np.frombuffer(bytes(record["audio"]), "<i2").astype(np.float64)[-16000:]  # the last second: 1 Hz bins
+    spectrum = np.abs(np.fft.rfft(pcm * np.hanning(pcm.size)))
+    assert np.argmax(spectrum) == IN_BAND_HZ
+    alias_hz = 16000 - ABOVE_BAND_HZ
+    assert spectrum[alias_hz - 10:alias_hz + 10].max() < 0.01 * spectrum[IN_BAND_HZ]
     assert record["typed"] == {"type": "text", "text": TYPED, "respond": True}
     assert record["barge_in"]["played_ms"] == flush["playedMs"] >= record["played_2"]["played_ms"]
     kinds = [m["type"] for m in record["messages"]]
