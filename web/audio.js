@@ -63,7 +63,8 @@ export class Microphone {
 // PCM16 reply audio -> the speakers, through the playback worklet's ring buffer.
 //
 // Positions are in samples of the reply stream since the player opened: `written` (received),
-// `position` (consumed: played, or dropped by a flush) and `played` (reached the speakers).
+// `position` (consumed: played, or dropped by a flush) and `played` (rendered to the output device;
+// its own output latency, a few tens of ms, is not subtracted).
 export class Player {
   // Closes `context` on failure.
   static async open(context, onState) {
