@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from voice_server.config import ConfigError, PipelineConfig, format_budget, load_pipeline, plan_budget
@@ -89,7 +90,7 @@ def read_auth_token(path: str | None) -> str | None:
 
 
 def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any],
-          sessions: dict[str, Any] | None = None) -> int:
+          sessions: dict[str, Any] | None = None, web_dir: str | None = None) -> int:
     """Exit 0 after SIGTERM/SIGINT (at any point, start-up included), 2 on a config or start-up error."""
     cfg = load_for_launch(path)
     if cfg is None:
@@ -106,7 +107,8 @@ def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any
     except ValueError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    return run_server(cfg, ServeOptions(host, port, log_level, http_limits, session_limits))
+    return run_server(cfg, ServeOptions(host, port, log_level, http_limits, session_limits,
+                                        Path(web_dir) if web_dir is not None else None))
 
 
 def ask(path: str, question: str, system: str | None, max_tokens: int | None, log_level: str) -> int:
@@ -215,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         help="TCP listen backlog (default: an eighth of the descriptor limit, at most 2048)",
     )
     _add_session_flags(p_serve)
+    p_serve.add_argument(
+        "--web-dir", default=None, metavar="DIR",
+        help="serve the browser demo at / from this folder (default: the repository's web/; missing: / answers 404)",
+    )
     p_ask = sub.add_parser("ask", help="start a text pipeline, ask one question, stream the reply, stop")
     p_ask.add_argument("question")
     p_ask.add_argument("--config", default="configs/llm-cpu.yaml")
@@ -238,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             return 2
-        return serve(args.config, args.host, args.port, args.log_level, limits, sessions)
+        return serve(args.config, args.host, args.port, args.log_level, limits, sessions, args.web_dir)
     if args.command == "ask":
         return ask(args.config, args.question, args.system, args.max_tokens, args.log_level)
     return check_config(args.config, show_traceback=args.traceback, is_device_check=not args.skip_device_check)

@@ -9,7 +9,8 @@ Routes: `GET /health` (200 only when every stage process is ready), `GET /metric
 (`voice_server/session/native.py`), `WS /v1/realtime`, the OpenAI Realtime protocol
 (`voice_server/session/realtime/endpoint.py`), and `WS /twilio/media`, phone calls over Twilio Media
 Streams (`voice_server/session/twilio/endpoint.py`; its settings, e.g. the token, in
-`app.state.twilio`).
+`app.state.twilio`), and last `GET /` and the files under it: the browser demo
+(`voice_server/server/web.py`, from `web_dir`, by default the repository's `web/`).
 
 App state: `coordinator`, `metrics` (`Metrics`, one registry per app), `sessions` (`SessionGate`:
 admission and limits every WebSocket endpoint applies) and `twilio` (`TwilioSettings`).
@@ -18,18 +19,20 @@ admission and limits every WebSocket endpoint applies) and `twilio` (`TwilioSett
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.routing import Mount, Route, WebSocketRoute
 
 from voice_server.engine.coordinator import Coordinator
 from voice_server.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from voice_server.server.session_limits import SessionLimits
 from voice_server.server.sessions import AbortHandleMiddleware, SessionGate
+from voice_server.server.web import WebFiles, default_web_dir
 from voice_server.session.native import native_ws
 from voice_server.session.realtime.endpoint import realtime_ws
 from voice_server.session.twilio.endpoint import TwilioSettings, twilio_ws
@@ -45,10 +48,13 @@ async def metrics(request: Request) -> Response:
 
 
 def create_app(
-    coordinator: Coordinator, limits: SessionLimits | None = None, twilio: TwilioSettings | None = None
+    coordinator: Coordinator, limits: SessionLimits | None = None, twilio: TwilioSettings | None = None,
+    web_dir: Path | None = None,
 ) -> Starlette:
+    # NOTE: the demo's mount at `/` matches every path, so it goes last.
     routes = [Route("/health", health), Route("/metrics", metrics), WebSocketRoute("/ws", native_ws),
-              WebSocketRoute("/v1/realtime", realtime_ws), WebSocketRoute("/twilio/media", twilio_ws)]
+              WebSocketRoute("/v1/realtime", realtime_ws), WebSocketRoute("/twilio/media", twilio_ws),
+              Mount("/", WebFiles(web_dir or default_web_dir()))]
     app = Starlette(routes=routes, middleware=[Middleware(AbortHandleMiddleware)])
     app.state.coordinator = coordinator
     app.state.metrics = Metrics()

@@ -24,6 +24,7 @@ import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -56,6 +57,8 @@ class ServeOptions:
     log_level: str = "info"
     limits: HttpLimits = field(default_factory=HttpLimits)
     sessions: SessionLimits = field(default_factory=SessionLimits)
+    web_dir: Path | None = None
+    """The browser demo's files (None: the repository's `web/`)."""
 
 
 def configure_logging(log_level: str) -> None:
@@ -134,7 +137,8 @@ async def _serve(cfg: PipelineConfig, options: ServeOptions, stopper: _Stopper) 
             coordinator = Coordinator(cfg)
         except Exception as exc:
             raise ServeError(f"{type(exc).__name__}: {exc}") from exc
-        stopper.server = server = _Server(_uvicorn_config(create_app(coordinator, options.sessions), options))
+        app = create_app(coordinator, options.sessions, web_dir=options.web_dir)
+        stopper.server = server = _Server(_uvicorn_config(app, options))
         serving = asyncio.ensure_future(_run_http(server, sock))
         try:
             return await _start_and_serve(cfg, options, coordinator, server, serving, stopper)
