@@ -1,5 +1,5 @@
 // First-audio latency per turn, as segmented bars on a canvas (no library): each bar is one response,
-// split at each stage's first output (`response_done.timings_ms`: ms after the request was submitted,
+// split at each stage's first output (`response_done.timings_ms`: ms after the response started,
 // per stage, plus `first_audio_sent`), so a bar shows where the wait before the first audio went.
 
 const MAX_BARS = 24;
