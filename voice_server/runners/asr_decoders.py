@@ -1,4 +1,5 @@
-"""A pool of PocketSphinx decoders: built and warmed at start-up, lent to one request at a time.
+"""A pool of PocketSphinx decoders (the asr stage's default engine): built and warmed at start-up, lent to
+one request at a time as a `Recognizer` (`asr_recognizer.py`) that decodes while the user speaks.
 
 Building a decoder (acoustic model, 134k-word dictionary, trigram LM) takes ~0.25 s of CPU and
 ~90 MB of private memory, far too slow for the first-audio path, so the asr stage builds all of them
@@ -20,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 from pocketsphinx import Decoder, get_model_path
+
+from voice_server.runners.asr_recognizer import Recognizer
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,32 @@ def build_decoder(options: DecoderOptions) -> Decoder:
     return Decoder(**model_paths(), samprate=SAMPLING_RATE, fwdflat=options.is_fwdflat, loglevel="ERROR")
 
 
+class SphinxRecognizer:
+    """One PocketSphinx decoder as a `Recognizer`: each chunk is decoded as it is fed."""
+
+    def __init__(self, decoder: Decoder, initial_cmn: str) -> None:
+        self.decoder = decoder
+        self._initial_cmn = initial_cmn
+
+    def start(self) -> None:
+        # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next;
+        # starting every utterance from the same estimate keeps transcripts independent of history.
+        self.decoder.set_cmn(self._initial_cmn)
+        self.decoder.start_utt()
+
+    def feed(self, pcm: bytes, is_whole: bool = False) -> None:
+        if pcm:  # NOTE: PocketSphinx refuses an empty buffer
+            self.decoder.process_raw(pcm, False, is_whole)
+
+    def partial(self) -> str:
+        hyp = self.decoder.hyp()
+        return hyp.hypstr if hyp is not None else ""
+
+    def finish(self) -> str:
+        self.decoder.end_utt()
+        return self.partial()
+
+
 class DecoderPool:
     """`num_decoders` decoders built at construction; `acquire` lends a free one (None when all are lent)."""
 
@@ -66,14 +95,15 @@ class DecoderPool:
         self.name = name
         report = progress or (lambda phase: log.info("stage %s: %s", name, phase))
         started = time.monotonic()
-        self._free: list[Decoder] = []
+        decoders: list[Decoder] = []
         for index in range(num_decoders):
             report(f"building speech decoders ({index}/{num_decoders} ready, {time.monotonic() - started:.1f} s)")
-            self._free.append(self._build())
+            decoders.append(self._build())
         self.num_decoders = num_decoders
         self.load_s = time.monotonic() - started
         """Seconds it took to build and warm the whole pool."""
-        self._initial_cmn = self._free[0].get_cmn(False)
+        self._initial_cmn = decoders[0].get_cmn(False)
+        self._free = [SphinxRecognizer(decoder, self._initial_cmn) for decoder in decoders]
 
     def _build(self) -> Decoder:
         decoder = build_decoder(self.options)
@@ -87,27 +117,18 @@ class DecoderPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> Decoder | None:
-        if not self._free:
-            return None
-        decoder = self._free.pop()
-        self.reset(decoder)
-        return decoder
+    def acquire(self) -> SphinxRecognizer | None:
+        return self._free.pop() if self._free else None
 
-    def reset(self, decoder: Decoder) -> None:
-        """Forget what earlier utterances taught the decoder (between utterances only)."""
-        # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next;
-        # starting every utterance from the same estimate keeps transcripts independent of history.
-        decoder.set_cmn(self._initial_cmn)
-
-    def give_back(self, decoder: Decoder, is_in_utterance: bool) -> None:
+    def give_back(self, recognizer: Recognizer, is_in_utterance: bool) -> None:
         """Return a lent decoder; an utterance still open (an aborted stream) is ended first."""
+        assert isinstance(recognizer, SphinxRecognizer)
         if is_in_utterance:
             try:
-                decoder.end_utt()
+                recognizer.decoder.end_utt()
             except RuntimeError:
                 # NOTE: a decoder in an unknown state is not lent again; a new one takes its place.
                 log.exception("stage %s: a speech decoder failed to end its utterance; building a new one",
                               self.name)
-                decoder = self._build()
-        self._free.append(decoder)
+                recognizer = SphinxRecognizer(self._build(), self._initial_cmn)
+        self._free.append(recognizer)

@@ -1,4 +1,7 @@
-"""Speech recognition runner (`simple` scheduler): a user's 16 kHz audio in, their words out (PocketSphinx).
+"""Speech recognition runner (`simple` scheduler): a user's 16 kHz audio in, their words out.
+
+One runner for every engine (`asr_recognizer.py`): PocketSphinx (`asr_decoders.py`, the default) decodes
+while the user speaks; Whisper (`asr_whisper.py`, opt-in) buffers the turn and transcribes it at DONE.
 
 The entry stage of the embedded CPU pipeline (`asr` -> thinker -> talker); `terminal`, so that the
 client sees what was understood, and `next: thinker`, which takes the RESULT's `messages`.
@@ -6,9 +9,10 @@ client sees what was understood, and `next: thinker`, which takes the RESULT's `
 A streamed turn (`submit(..., stream_input=True)`, the user's audio while they speak):
 - NEW (`is_stream`) `{"messages": [{"role", "content"}, ...]}`: the conversation so far (may be empty;
   a user message with `audio` instead, never transcribed, is transcribed as in a whole request);
-- CHUNK `{"audio": float32 [num_samples]}` (16 kHz mono, typically 20-100 ms): decoded at once; a STREAM
-  `{"input_transcript_partial": text}` follows whenever the hypothesis of the whole turn so far changes
-  (it may revise earlier words; at most one per request per batch);
+- CHUNK `{"audio": float32 [num_samples]}` (16 kHz mono, typically 20-100 ms): fed to the recogniser at
+  once; with PocketSphinx a STREAM `{"input_transcript_partial": text}` follows whenever the hypothesis of
+  the whole turn so far changes (it may revise earlier words; at most one per request per batch); Whisper
+  gives no partials;
 - DONE (the user's turn ended): RESULT `{"input_transcript": text, "messages": history + [{"role":
   "user", "content": text}]}` (`text` may be empty: nothing was recognised).
 
@@ -16,7 +20,7 @@ A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and 
 is transcribed on its own and becomes `{"role": "user", "content": transcript}`; RESULT `{"input_transcript":
 <the last transcript, "" if none>, "messages": [...]}` (messages without audio pass unchanged).
 
-Each request borrows one decoder from the stage's pool from admission until it leaves the stage; with
+Each request borrows one recogniser ("decoder") from the stage's pool from admission until it leaves the stage; with
 all of them lent a new request is refused alone as an overload (`CapacityError`). Malformed input refuses
 its request alone (`asr_input.py`). A batch may hold items of several requests, in arrival order.
 """
@@ -30,18 +34,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pocketsphinx import Decoder
-
-from voice_server.runners.asr_decoders import SAMPLING_RATE, DecoderPool
+from voice_server.runners.asr_decoders import SAMPLING_RATE
 from voice_server.runners.asr_input import messages_with_audio, pcm16
+from voice_server.runners.asr_recognizer import Recognizer, RecognizerPool
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkItem
 from voice_server.scheduling.base import CapacityError, WorkKind
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_AUDIO_SECONDS = 60.0
-"""One turn (or one whole request's audio, all messages together). Decoding runs at ~0.08x real time
-on one core, so a whole request's minute of audio holds the stage for ~5 s."""
+"""One turn (or one whole request's audio, all messages together). PocketSphinx decodes at ~0.08x real
+time on one core, so a whole request's minute of audio holds the stage for ~5 s."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,7 @@ class AsrRunnerConfig:
 
 @dataclass
 class _Request:
-    decoder: Decoder
+    recognizer: Recognizer
     is_stream: bool
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     """A stream's history, transcribed (its turn is appended at the end)."""
@@ -72,7 +75,7 @@ class _Request:
 
 
 class AsrRunner(Runner[SimpleBatch, SimpleResult]):
-    def __init__(self, pool: DecoderPool, config: AsrRunnerConfig | None = None) -> None:
+    def __init__(self, pool: RecognizerPool, config: AsrRunnerConfig | None = None) -> None:
         self.pool = pool
         self.config = config or AsrRunnerConfig()
         self._requests: dict[str, _Request] = {}
@@ -105,11 +108,11 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             raise AdmissionError(f"payload: unknown field(s) {', '.join(unknown)} (only 'messages')")
         messages = messages_with_audio(payload.get("messages", [] if item.is_stream else None),
                                        self.config.max_num_samples, is_empty_allowed=item.is_stream)
-        decoder = self.pool.acquire()  # NOTE: last: a refusal above must not hold a decoder
-        if decoder is None:
+        recognizer = self.pool.acquire()  # NOTE: last: a refusal above must not hold a decoder
+        if recognizer is None:
             self._counters["num_busy_refusals"] += 1
             raise CapacityError(f"all {self.pool.num_decoders} speech decoders are busy (factory_args.max_streams)")
-        self._requests[item.request_id] = _Request(decoder, item.is_stream)
+        self._requests[item.request_id] = _Request(recognizer, item.is_stream)
         return dataclasses.replace(item, payload={"messages": messages})
 
     # -- execution -------------------------------------------------------------------------------
@@ -141,9 +144,8 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
                 touched[rid] = None
         for rid in touched:
             request = self._requests[rid]
-            hyp = request.decoder.hyp()
-            text = hyp.hypstr if hyp is not None else ""
-            if text != request.partial:
+            text = request.recognizer.partial()
+            if text is not None and text != request.partial:
                 request.partial = text
                 emits.append(Emit(rid, EmitKind.STREAM, {"input_transcript_partial": text}))
         return SimpleResult(tuple(emits))
@@ -154,14 +156,11 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             if not request.is_stream:
                 return Emit(item.request_id, EmitKind.RESULT, {"input_transcript": transcript, "messages": messages})
             request.messages = messages
-            self.pool.reset(request.decoder)
-            request.decoder.start_utt()
+            request.recognizer.start()
             request.is_in_utterance = True
             return None
         if item.kind is WorkKind.CHUNK:
-            pcm = item.payload["pcm"]
-            if pcm:  # NOTE: PocketSphinx refuses an empty buffer
-                request.decoder.process_raw(pcm, False, False)
+            request.recognizer.feed(item.payload["pcm"])
             return None
         text = self._end_utterance(request)
         messages = [*request.messages, {"role": "user", "content": text}]
@@ -177,33 +176,30 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             if "pcm" not in message:
                 messages.append(message)
                 continue
-            self.pool.reset(request.decoder)  # NOTE: each clip is transcribed as if it came alone
-            request.decoder.start_utt()
+            request.recognizer.start()  # NOTE: each clip is transcribed as if it came alone
             request.is_in_utterance = True
-            if message["pcm"]:
-                request.decoder.process_raw(message["pcm"], False, True)
+            request.recognizer.feed(message["pcm"], is_whole=True)
             transcript = self._end_utterance(request)
             messages.append({"role": "user", "content": transcript})
         return messages, transcript
 
     def _end_utterance(self, request: _Request) -> str:
         started = time.perf_counter()
-        request.decoder.end_utt()
+        text = request.recognizer.finish()  # NOTE: Whisper's whole transcription happens here
         end_utt_us = int((time.perf_counter() - started) * 1e6)
         request.is_in_utterance = False
         counters = self._counters
         counters["num_utterances"] += 1
         counters["end_utt_us_total"] += end_utt_us
         counters["end_utt_us_max"] = max(counters["end_utt_us_max"], end_utt_us)
-        hyp = request.decoder.hyp()
-        return hyp.hypstr if hyp is not None else ""
+        return text
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
     def release(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
         if request is not None:
-            self.pool.give_back(request.decoder, request.is_in_utterance)
+            self.pool.give_back(request.recognizer, request.is_in_utterance)
 
     def stats(self) -> dict[str, int]:
         return {"num_decoders": self.pool.num_decoders, "num_free_decoders": self.pool.num_free,

@@ -1,4 +1,5 @@
-"""Speech recognition stage (`simple` scheduler, CPU): PocketSphinx on the user's 16 kHz audio.
+"""Speech recognition stage (`simple` scheduler, CPU): PocketSphinx (default) or Whisper tiny.en on the user's
+16 kHz audio.
 
 The entry of the embedded CPU pipeline: `asr` (`next: thinker`, `terminal: true`) -> thinker -> talker.
 It takes a user's turn streamed while they speak (`Coordinator.submit(..., stream_input=True)`) or a
@@ -6,11 +7,16 @@ whole request with audio messages, and hands the thinker the conversation with t
 text. Payload contract: `voice_server/runners/asr_runner.py`.
 
 factory_args (all optional):
-- `max_streams` (16): requests decoded at once, one PocketSphinx decoder each, all built and warmed
-  before the stage reports ready (~0.25 s and ~90 MB each); one more is refused alone as an overload.
+- `engine` (pocketsphinx): `pocketsphinx` decodes while the user speaks (partials, ~10 ms at the end of a
+  turn); `whisper` (tiny.en, the `whisper` extra: `pip install 'voice-server[whisper]'`) is more robust to
+  a noisy microphone but transcribes the whole turn when it ends (~0.3 s on one core) and gives no partials.
+- `max_streams` (16): requests held at once (pocketsphinx: one decoder each, all built and warmed before
+  the stage reports ready, ~0.25 s and ~90 MB each; whisper: one audio buffer each, one shared model);
+  one more is refused alone as an overload.
 - `max_audio_seconds` (60): the longest turn (or a whole request's audio); longer is refused alone.
-- `fwdflat` (false): PocketSphinx's second search pass at the end of each utterance (~50 ms more
-  latency before the thinker can start, for no measured accuracy gain on synthetic speech).
+- `fwdflat` (false, pocketsphinx only): PocketSphinx's second search pass at the end of each utterance
+  (~50 ms more latency before the thinker can start, for no measured accuracy gain on synthetic speech).
+- `num_threads` (1, whisper only): CTranslate2 threads for one transcription.
 """
 
 from __future__ import annotations
@@ -22,14 +28,20 @@ from typing import Any
 from voice_server.config.errors import ConfigError, fail, quoted, show
 from voice_server.engine.runtime import StageContext
 from voice_server.runners.asr_decoders import DecoderOptions, DecoderPool
+from voice_server.runners.asr_recognizer import RecognizerPool
 from voice_server.runners.asr_runner import DEFAULT_MAX_AUDIO_SECONDS, AsrRunner, AsrRunnerConfig
+from voice_server.runners.asr_whisper import WhisperOptions, WhisperPool, WhisperUnavailable
 
 log = logging.getLogger(__name__)
 
-FACTORY_ARGS = ("max_streams", "max_audio_seconds", "fwdflat")
+FACTORY_ARGS = ("engine", "max_streams", "max_audio_seconds", "fwdflat", "num_threads")
+ENGINES = ("pocketsphinx", "whisper")
+ENGINE_ARGS = {"fwdflat": "pocketsphinx", "num_threads": "whisper"}
+"""Factory args that only one engine takes."""
+MAX_THREADS = 64
 DEFAULT_MAX_STREAMS = 16
 MAX_STREAMS_LIMIT = 1024
-"""A sanity bound: each decoder holds ~90 MB."""
+"""A sanity bound: each PocketSphinx decoder holds ~90 MB."""
 
 
 def create_asr(ctx: StageContext) -> AsrRunner:
@@ -38,11 +50,17 @@ def create_asr(ctx: StageContext) -> AsrRunner:
     if stage.scheduler != "simple":
         raise fail(where, "scheduler", f"the asr stage runs under 'simple', got {show(stage.scheduler)}")
     if stage.device != "cpu":
-        raise fail(where, "device", f"PocketSphinx runs on the CPU only, got {show(stage.device)}")
+        raise fail(where, "device", f"the asr engines run on the CPU only, got {show(stage.device)}")
     args = dict(ctx.args)
     unknown = sorted(str(k) for k in args if k not in FACTORY_ARGS)
     if unknown:
         raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(FACTORY_ARGS)}")
+    engine = args.get("engine", "pocketsphinx")
+    if engine not in ENGINES:
+        raise fail(where, "factory_args.engine", f"must be one of {', '.join(ENGINES)}, got {show(engine)}")
+    for key, owner in ENGINE_ARGS.items():
+        if key in args and engine != owner:
+            raise fail(where, f"factory_args.{key}", f"only for engine {owner}, this stage's engine is {engine}")
     max_streams = args.get("max_streams", DEFAULT_MAX_STREAMS)
     if isinstance(max_streams, bool) or not isinstance(max_streams, int) \
             or not 1 <= max_streams <= MAX_STREAMS_LIMIT:
@@ -51,6 +69,9 @@ def create_asr(ctx: StageContext) -> AsrRunner:
     max_seconds = args.get("max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
     if isinstance(max_seconds, bool) or not isinstance(max_seconds, int | float) or not 0 < max_seconds < math.inf:
         raise fail(where, "factory_args.max_audio_seconds", f"must be a number > 0, got {show(max_seconds)}")
+    config = AsrRunnerConfig(float(max_seconds))
+    if engine == "whisper":
+        return AsrRunner(_whisper_pool(ctx, where, max_streams, args), config)
     is_fwdflat: Any = args.get("fwdflat", False)
     if not isinstance(is_fwdflat, bool):
         raise fail(where, "factory_args.fwdflat", f"must be true or false, got {show(is_fwdflat)}")
@@ -61,4 +82,22 @@ def create_asr(ctx: StageContext) -> AsrRunner:
     except RuntimeError as exc:  # NOTE: PocketSphinx's own error for a model it cannot load
         raise ConfigError(f"{where}: cannot build a speech decoder: {exc}") from exc
     log.info("stage %s: %d decoders ready in %.2f s", stage.name, max_streams, pool.load_s)
-    return AsrRunner(pool, AsrRunnerConfig(float(max_seconds)))
+    return AsrRunner(pool, config)
+
+
+def _whisper_pool(ctx: StageContext, where: str, max_streams: int, args: dict[str, Any]) -> RecognizerPool:
+    num_threads = args.get("num_threads", 1)
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads <= MAX_THREADS:
+        raise fail(where, "factory_args.num_threads", f"must be an integer in [1, {MAX_THREADS}], "
+                   f"got {show(num_threads)}")
+    log.info("stage %s: loading Whisper tiny.en (int8, %d threads) for %d streams", ctx.stage.name, num_threads,
+             max_streams)
+    try:
+        pool = WhisperPool(max_streams, WhisperOptions(num_threads=num_threads), ctx.stage.name, ctx.progress)
+    except WhisperUnavailable as exc:
+        raise fail(where, "factory_args.engine", f"'whisper' needs the whisper extra ({exc}): "
+                   "pip install 'voice-server[whisper]'") from exc
+    except RuntimeError as exc:  # NOTE: CTranslate2's own error for a model it cannot load
+        raise ConfigError(f"{where}: cannot load the Whisper model: {exc}") from exc
+    log.info("stage %s: Whisper ready in %.2f s", ctx.stage.name, pool.load_s)
+    return pool

@@ -1,0 +1,42 @@
+"""What the asr runner needs of a speech engine: a pool of recognisers, each lent to one request at a time.
+
+One runner (`asr_runner.py`) serves every engine, so input checks, message building, counters and the
+payload contract live in one place; an engine only turns 16-bit PCM into words:
+- PocketSphinx (`asr_decoders.py`) decodes while the user speaks and has a partial hypothesis;
+- Whisper (`asr_whisper.py`) buffers the turn and transcribes it whole at its end (no partials).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Recognizer(Protocol):
+    """One utterance at a time: `start`, `feed` (any number of times), `finish`."""
+
+    def start(self) -> None:
+        """Begin an utterance, forgetting everything earlier utterances taught the recogniser."""
+
+    def feed(self, pcm: bytes, is_whole: bool = False) -> None:
+        """16-bit native-order 16 kHz mono samples (may be empty); `is_whole`: the utterance's only audio."""
+
+    def partial(self) -> str | None:
+        """The hypothesis of the utterance so far, or None for an engine that gives no partials."""
+
+    def finish(self) -> str:
+        """End the utterance and return its transcript ("" when nothing was recognised)."""
+
+
+class RecognizerPool(Protocol):
+    """Recognisers built before the stage reports ready; `acquire` lends a free one (None when all are lent)."""
+
+    @property
+    def num_decoders(self) -> int: ...
+
+    @property
+    def num_free(self) -> int: ...
+
+    def acquire(self) -> Recognizer | None: ...
+
+    def give_back(self, recognizer: Recognizer, is_in_utterance: bool) -> None:
+        """Return a lent recogniser; an utterance still open (an aborted stream) is dropped first."""
