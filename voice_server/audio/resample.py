@@ -1,4 +1,4 @@
-"""Streaming rational resampling (polyphase windowed-sinc FIR) between 8, 16, 24, 44.1 and 48 kHz.
+"""Streaming rational resampling (polyphase windowed-sinc FIR) between 8, 16, 22.05, 24, 44.1 and 48 kHz.
 
 Quality (fixed, the same for every rate pair): a linear-phase low-pass with a Kaiser window, designed at
 the up-sampled rate ``L * rate_in`` (``L / M = rate_out / rate_in`` reduced by their gcd):
@@ -44,7 +44,8 @@ from voice_server.audio.pcm import float32_to_pcm16, pcm16_to_float32
 
 __all__ = ["SUPPORTED_RATES", "ResamplerSpec", "StreamResampler", "resample_signal"]
 
-SUPPORTED_RATES = (8000, 16000, 24000, 44100, 48000)
+# NOTE: 22.05 kHz is the rate of Piper `medium` voices (the talker's opt-in engine).
+SUPPORTED_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 PASSBAND_FRACTION = 0.45  # of min(rate_in, rate_out)
 STOPBAND_FRACTION = 0.5  # of min(rate_in, rate_out): the lower rate's Nyquist
 # NOTE: products held at once; long inputs run in blocks of outputs so memory stays ~4 MB.
