@@ -26,7 +26,8 @@ whose summation order may depend on the batch).
 
 Cost (numpy, one thread, time.perf_counter over 2000 consecutive 20 ms chunks on the 2-core dev box
 while other jobs ran; min..median of 3 runs): 48k -> 16k 80-115 us per chunk (960 in, 320 out),
-24k -> 8k 50-70 us (480 in, 160 out), 8k -> 24k 70-100 us, 16k -> 48k ~160 us, 44.1k -> 48k ~180 us:
+24k -> 8k 50-70 us (480 in, 160 out), 8k -> 24k 70-100 us, 16k -> 48k ~160 us, 44.1k -> 48k ~180 us,
+22.05k -> 24k or 16k ~70 us (measured later, when 44.1k -> 48k took ~120 us):
 at most ~1% of the 20 ms a chunk lasts. The G.711 lookups cost a few microseconds per 160-sample frame.
 """
 
