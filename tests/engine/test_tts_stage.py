@@ -21,9 +21,10 @@ from text_stages import text_deltas
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.coordinator import RequestError
 from voice_server.engine.requests import TerminalOutput
-from voice_server.runners.tts_runner import SAMPLE_RATE, TTSRunner
+from voice_server.runners.synthesizers import HIBARI_RATE as SAMPLE_RATE
+from voice_server.runners.tts_runner import TTSRunner
 from voice_server.scheduling import EmitKind, SimpleBatch, WorkItem, WorkKind
-from voice_server.stages.tts import load_hibari
+from voice_server.stages.tts_engines import load_hibari
 
 TEXTS = [
     "Hello there, how are you today? I hope the weather is nice where you are.",

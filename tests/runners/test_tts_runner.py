@@ -18,7 +18,8 @@ from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import ConfigError
 from voice_server.engine.runtime import StageContext
 from voice_server.runners.clauses import ClauseRules
-from voice_server.runners.tts_runner import SAMPLE_RATE, TTSRunner, TTSRunnerConfig
+from voice_server.runners.synthesizers import HIBARI_RATE as SAMPLE_RATE
+from voice_server.runners.tts_runner import TTSRunner, TTSRunnerConfig
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, SimpleBatch, WorkItem, WorkKind
 from voice_server.stages.tts import create_tts
 
@@ -155,6 +156,8 @@ def test_release_forgets_the_request(runner: TTSRunner) -> None:
 
 @pytest.mark.parametrize(("args", "field"), [
     ({"voice": "emma"}, "factory_args.voice"),
+    ({"engine": "espeak"}, "factory_args.engine"),
+    ({"engine": ["piper"]}, "factory_args.engine"),
     ({"num_threads": 0}, "factory_args.num_threads"),
     ({"speed": 3.0}, "factory_args.speed"),
     ({"speed": "fast"}, "factory_args.speed"),

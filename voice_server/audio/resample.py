@@ -1,4 +1,4 @@
-"""Streaming rational resampling (polyphase windowed-sinc FIR) between 8, 16, 24, 44.1 and 48 kHz.
+"""Streaming rational resampling (polyphase windowed-sinc FIR) between 8, 16, 22.05, 24, 44.1 and 48 kHz.
 
 Quality (fixed, the same for every rate pair): a linear-phase low-pass with a Kaiser window, designed at
 the up-sampled rate ``L * rate_in`` (``L / M = rate_out / rate_in`` reduced by their gcd):
@@ -26,7 +26,8 @@ whose summation order may depend on the batch).
 
 Cost (numpy, one thread, time.perf_counter over 2000 consecutive 20 ms chunks on the 2-core dev box
 while other jobs ran; min..median of 3 runs): 48k -> 16k 80-115 us per chunk (960 in, 320 out),
-24k -> 8k 50-70 us (480 in, 160 out), 8k -> 24k 70-100 us, 16k -> 48k ~160 us, 44.1k -> 48k ~180 us:
+24k -> 8k 50-70 us (480 in, 160 out), 8k -> 24k 70-100 us, 16k -> 48k ~160 us, 44.1k -> 48k ~180 us,
+22.05k -> 24k or 16k ~70 us (measured later, when 44.1k -> 48k took ~120 us):
 at most ~1% of the 20 ms a chunk lasts. The G.711 lookups cost a few microseconds per 160-sample frame.
 """
 
@@ -44,7 +45,8 @@ from voice_server.audio.pcm import float32_to_pcm16, pcm16_to_float32
 
 __all__ = ["SUPPORTED_RATES", "ResamplerSpec", "StreamResampler", "resample_signal"]
 
-SUPPORTED_RATES = (8000, 16000, 24000, 44100, 48000)
+# NOTE: 22.05 kHz is the rate of Piper `medium` voices (the talker's opt-in engine).
+SUPPORTED_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
 PASSBAND_FRACTION = 0.45  # of min(rate_in, rate_out)
 STOPBAND_FRACTION = 0.5  # of min(rate_in, rate_out): the lower rate's Nyquist
 # NOTE: products held at once; long inputs run in blocks of outputs so memory stays ~4 MB.

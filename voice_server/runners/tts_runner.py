@@ -1,4 +1,5 @@
-"""`TTSRunner`: the runner of a `talker` text-to-speech stage (`simple` scheduler) over hibari-tts.
+"""`TTSRunner`: the runner of a `talker` text-to-speech stage (`simple` scheduler) over a
+`Synthesizer` (`synthesizers.py`: hibari-tts by default, or a Piper voice).
 
 Input, per request: either a stream (a NEW with `is_stream` and an empty payload, CHUNKs of
 `{"text": "<delta>", ...}` from an upstream `stream_to`, e.g. a text LLM's tokens, then DONE) or a
@@ -7,11 +8,13 @@ whole NEW `{"text": "..."}`. Other payload keys (an LLM chunk's `token_ids`) are
 than `max_text_chars`.
 
 Output: each clause (`clauses.py`) is synthesised as soon as the text completing it arrives, as one
-STREAM `{"pcm": float32 [n], "sample_rate": 24000}`; the rest of the text at the end of input; then
-RESULT `{"num_samples", "num_clauses"}`. No text goes out: the upstream stage sends the transcript.
+STREAM `{"pcm": float32 [n], "sample_rate": <the engine's: hibari 24000, piper 22050>}`; the rest
+of the text at the end of input; then RESULT `{"num_samples", "num_clauses"}`. No text goes out: the upstream stage
+sends the transcript.
 
-Each request draws the engine's noise from its own generator seeded with `seed`, so a text gives
-the same audio whether it arrives whole or in deltas, alone or batched.
+Each request draws the engine's noise from its own generator seeded with `seed`, so (with hibari,
+whose noise that is) a text gives the same audio whether it arrives whole or in deltas, alone or
+batched.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from voice_server.runners.clauses import ClauseRules, ClauseSplitter
+from voice_server.runners.synthesizers import Synthesizer
 from voice_server.scheduling import (
     AdmissionError,
     Emit,
@@ -39,22 +42,10 @@ from voice_server.scheduling import (
 
 log = logging.getLogger(__name__)
 
-SAMPLE_RATE = 24000
 WARM_UP_TEXT = "Warming up, zorblax."
-"""Loads the lazy parts of the engine: the G2P lexicons and tagger, and (an unknown word) the
-out-of-vocabulary net; otherwise the first request's first clause pays ~0.4 s for them."""
-
-
-class SpeechEngine(Protocol):
-    """What the runner uses of `hibari.Hibari`."""
-
-    sample_rate: int
-
-    def phonemize(self, text: str) -> list[str]: ...
-
-    def ids(self, phonemes: str) -> list[int]: ...
-
-    def from_ids(self, ids: list[int], speed: float = 1.0, rng: np.random.Generator | None = None) -> Any: ...
+"""Loads the lazy parts of the engine: hibari's G2P lexicons and tagger, and (an unknown word) its
+out-of-vocabulary net, otherwise the first request's first clause pays ~0.4 s for them; piper's
+espeak-ng data and onnxruntime's first-run allocations."""
 
 
 @dataclass(frozen=True)
@@ -91,10 +82,12 @@ class _Speech:
 
 
 class TTSRunner(Runner[SimpleBatch, SimpleResult]):
-    def __init__(self, engine: SpeechEngine, config: TTSRunnerConfig | None = None) -> None:
-        if engine.sample_rate != SAMPLE_RATE:
-            raise ValueError(f"TTSRunner: the engine's sample rate is {engine.sample_rate}, expected {SAMPLE_RATE}")
+    def __init__(self, engine: Synthesizer, config: TTSRunnerConfig | None = None) -> None:
+        rate = engine.sample_rate
+        if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 48000:
+            raise ValueError(f"TTSRunner: the engine's sample rate must be an integer in [8000, 48000], got {rate!r}")
         self.engine = engine
+        self.sample_rate = rate
         self.config = config or TTSRunnerConfig()
         self._speech: dict[str, _Speech] = {}
 
@@ -170,7 +163,7 @@ class TTSRunner(Runner[SimpleBatch, SimpleResult]):
             speech.num_clauses += 1
             if pcm.size:
                 speech.num_samples += int(pcm.size)
-                emits.append(Emit(rid, EmitKind.STREAM, {"pcm": pcm, "sample_rate": SAMPLE_RATE}))
+                emits.append(Emit(rid, EmitKind.STREAM, {"pcm": pcm, "sample_rate": self.sample_rate}))
         if is_last:
             emits.append(Emit(rid, EmitKind.RESULT, {"num_samples": speech.num_samples,
                                                      "num_clauses": speech.num_clauses}))
@@ -178,7 +171,5 @@ class TTSRunner(Runner[SimpleBatch, SimpleResult]):
 
     def _synthesize(self, text: str, rng: np.random.Generator) -> npt.NDArray[np.float32]:
         """One clause -> float32 PCM (the engine splits a clause of several sentences itself)."""
-        speed = float(self.config.speed)
-        pieces = [np.asarray(self.engine.from_ids(self.engine.ids(ps), speed, rng), dtype=np.float32).reshape(-1)
-                  for ps in self.engine.phonemize(text)]
-        return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+        pcm = np.asarray(self.engine.synthesize(text, float(self.config.speed), rng), dtype=np.float32)
+        return pcm.reshape(-1)
