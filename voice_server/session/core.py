@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ import numpy.typing as npt
 
 from voice_server.audio import StreamResampler, pcm16_to_float32
 from voice_server.engine.requests import RequestError
+from voice_server.session.config import SessionConfig
 from voice_server.session.conversation import SPEECH_RATE, Conversation, Item, new_id
 from voice_server.session.events import (
     InputCommitted,
@@ -40,52 +40,12 @@ from voice_server.session.events import (
     SpeechStarted,
     SpeechStopped,
 )
-from voice_server.session.response import Emit, ResponseRun
-from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.response import Emit, OpenTurn, ResponseRun
 from voice_server.session.vad import SpeechStarted as VadStarted
 from voice_server.session.vad import TurnDetector
 
 MAX_BUFFER_S = 120
 """Input audio kept for the current turn at most; older audio is dropped (a turn that never ends)."""
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    input_rate: int = 24000
-    output_rate: int = 24000
-    instructions: str = ""
-    turn_detection: TurnDetectionConfig | None = TurnDetectionConfig()
-    """None: manual turns (the client commits and asks for responses)."""
-    params: tuple[tuple[str, Any], ...] = ()
-    """Request params every response sends (e.g. sampling), as items so the config stays hashable."""
-
-    def __post_init__(self) -> None:
-        for name in ("input_rate", "output_rate"):
-            value = getattr(self, name)
-            if value not in (8000, 16000, 24000, 48000):
-                raise ValueError(f"{name}: must be 8000, 16000, 24000 or 48000, got {value!r}")
-        if not isinstance(self.instructions, str) or len(self.instructions) > 100_000:
-            raise ValueError("instructions: must be a string of at most 100000 characters")
-
-
-@dataclass
-class OpenTurn:
-    """A spoken turn whose request is open while the user speaks (`stream_input` pipelines)."""
-
-    run: ResponseRun
-    input: Any
-    """The request's `InputStream`: `send(payload)`, `end()`."""
-    task: asyncio.Task[None]
-    resampler: StreamResampler | None
-    """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
-
-    def send(self, pcm16: npt.NDArray[np.int16]) -> None:
-        """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
-        audio = pcm16_to_float32(pcm16)
-        if self.resampler is not None:
-            audio = self.resampler.process(audio)
-        if audio.size:
-            self.input.send({"audio": audio})
 
 
 class Session:

@@ -39,7 +39,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
 from voice_server.server.metrics import ConnectionMetrics
 from voice_server.server.sessions import SessionGuard
-from voice_server.session.core import Session, SessionConfig
+from voice_server.session.config import SessionConfig
+from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
     InputCommitted,

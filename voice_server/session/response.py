@@ -11,20 +11,26 @@ response answers; they become `InputTranscriptDelta`s (only where the hypothesis
 `InputTranscriptDone`. Such a request may open before the response starts (at speech start): its
 `timings_ms` count from `start()`, the end of the user's turn, and leave out earlier stage stamps.
 
-Cancellation (barge-in, `response.cancel`, the client gone) cancels the task running `run`: the
+`OpenTurn` is a spoken turn whose request opened at speech start (`stream_input` pipelines): its
+response run, the request's input stream and the resampler to 16 kHz.
+
+Cancellation (barge-in, `response.cancel`, the client gone) cancels the task running `consume`: the
 request stream closes, which aborts the request in every stage (`RequestStream`), and nothing more
 is sent to the client from the moment the task is cancelled.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
-from voice_server.audio import StreamResampler, float32_to_pcm16
+from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_float32
 from voice_server.engine.requests import RequestError, TerminalOutput
 from voice_server.session.conversation import Item
 from voice_server.session.events import (
@@ -138,3 +144,23 @@ class ResponseRun:
         self.num_samples += pcm16.size
         self.item.num_audio_ms = self.num_samples * 1000 // self.output_rate
         await self.emit(AudioDelta(self.response_id, self.item.item_id, pcm16))
+
+
+@dataclass
+class OpenTurn:
+    """A spoken turn whose request is open while the user speaks (`stream_input` pipelines)."""
+
+    run: ResponseRun
+    input: Any
+    """The request's `InputStream`: `send(payload)`, `end()`."""
+    task: asyncio.Task[None]
+    resampler: StreamResampler | None
+    """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
+
+    def send(self, pcm16: npt.NDArray[np.int16]) -> None:
+        """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
+        audio = pcm16_to_float32(pcm16)
+        if self.resampler is not None:
+            audio = self.resampler.process(audio)
+        if audio.size:
+            self.input.send({"audio": audio})

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import alaw_decode, alaw_encode, pcm16_from_bytes, pcm16_to_bytes, ulaw_decode, ulaw_encode
-from voice_server.session.core import SessionConfig as CoreConfig
+from voice_server.session.config import SessionConfig as CoreConfig
 from voice_server.session.realtime.session_config import SessionConfig as RealtimeConfig
 from voice_server.session.realtime.session_fields import AudioFormat
 from voice_server.session.turn_config import TurnDetectionConfig

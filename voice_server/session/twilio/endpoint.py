@@ -35,7 +35,8 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.server.metrics import ConnectionMetrics
 from voice_server.server.sessions import SessionGuard
-from voice_server.session.core import Session, SessionConfig
+from voice_server.session.config import SessionConfig
+from voice_server.session.core import Session
 from voice_server.session.events import AudioDelta, ResponseDone, ResponseStarted, SessionEvent, SpeechStarted
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.twilio.auth import is_authorized

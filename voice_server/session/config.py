@@ -1,0 +1,28 @@
+"""`SessionConfig`: one session's audio rates, instructions, turn detection and request params,
+validated on construction (each endpoint builds it from its own protocol's messages)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from voice_server.session.turn_config import TurnDetectionConfig
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    input_rate: int = 24000
+    output_rate: int = 24000
+    instructions: str = ""
+    turn_detection: TurnDetectionConfig | None = TurnDetectionConfig()
+    """None: manual turns (the client commits and asks for responses)."""
+    params: tuple[tuple[str, Any], ...] = ()
+    """Request params every response sends (e.g. sampling), as items so the config stays hashable."""
+
+    def __post_init__(self) -> None:
+        for name in ("input_rate", "output_rate"):
+            value = getattr(self, name)
+            if value not in (8000, 16000, 24000, 48000):
+                raise ValueError(f"{name}: must be 8000, 16000, 24000 or 48000, got {value!r}")
+        if not isinstance(self.instructions, str) or len(self.instructions) > 100_000:
+            raise ValueError("instructions: must be a string of at most 100000 characters")
