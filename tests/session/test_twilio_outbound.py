@@ -104,7 +104,7 @@ def test_encoder_refuses_bad_input() -> None:
     with pytest.raises(ValueError, match="1-D numpy int16"):
         encoder.encode(np.zeros(10, dtype=np.float32))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="rate_in"):
-        TwilioAudioEncoder(22050)
+        TwilioAudioEncoder(11025)
 
 
 def _start(params: dict[str, str]) -> TwilioStart:
