@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from harness import is_alive, launch_of, shm_segments, stage_processes
+from prometheus_client.parser import text_string_to_metric_families
 from serving import free_port
 
 from voice_server.engine.rundir import base_dir
@@ -42,6 +43,13 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], pred: Any, timeout: fl
             pass
         time.sleep(0.05)
     raise AssertionError("health condition not reached")
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT])
@@ -72,6 +80,12 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
 
         body = wait_health(port, proc, restarted)
         assert body["stages"]["sink"]["num_restarts"] == 1
+        # The same, as series to alert on (read from the coordinator at each scrape).
+        series = scrape(port)
+        assert series[("voice_server_stage_restarts_total", (("stage", "sink"),))] == 1
+        assert series[("voice_server_stage_restarts_total", (("stage", "framer"),))] == 0
+        assert series[("voice_server_pipeline_ready", ())] == 1
+        assert series[("voice_server_inflight_requests", ())] == 0
         new_sink = stage_processes(proc.pid)["sink"]
         assert new_sink != victim
         pids.append(new_sink)

@@ -58,6 +58,7 @@ def create_app(
     app = Starlette(routes=routes, middleware=[Middleware(AbortHandleMiddleware)])
     app.state.coordinator = coordinator
     app.state.metrics = Metrics()
+    app.state.metrics.watch(coordinator)
     app.state.sessions = SessionGate(limits or SessionLimits(), app.state.metrics, lambda: coordinator.is_ready)
     app.state.twilio = twilio or TwilioSettings()
     return app

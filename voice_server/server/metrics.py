@@ -25,16 +25,22 @@ Series:
 - `voice_server_realtime_factor`: wall time from `ResponseStarted` to `ResponseDone` over the seconds of
   audio sent, per completed response with audio (< 1: faster than real time);
 - `voice_server_responses_total{status}`, `voice_server_barge_ins_total`,
-  `voice_server_protocol_errors_total{endpoint,type}`.
+  `voice_server_protocol_errors_total{endpoint,type}`;
+- read from the coordinator at each scrape (`Metrics.watch`): `voice_server_pipeline_ready` (1 when
+  `/health` answers 200), `voice_server_stage_restarts_total{stage}` (crashes its process was restarted
+  after) and `voice_server_inflight_requests`.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from voice_server.session.events import (
     AudioDelta,
@@ -85,6 +91,10 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def watch(self, coordinator: Any) -> None:
+        """Report the pipeline's state (`coordinator.health()`) at every scrape."""
+        self.registry.register(_PipelineCollector(coordinator))
 
     def session_opened(self, endpoint: str) -> None:
         self.active_sessions.labels(endpoint).inc()
@@ -162,3 +172,22 @@ class ConnectionMetrics:
             self.metrics.response_done(event, first_audio_s, wall_s)
         elif isinstance(event, SessionError):
             self.metrics.protocol_error(self.endpoint, event.code)
+
+
+class _PipelineCollector(Collector):
+    """The coordinator's health as series, read at scrape time (the supervisor keeps the counts)."""
+
+    def __init__(self, coordinator: Any) -> None:
+        self.coordinator = coordinator
+
+    def collect(self) -> Iterator[Metric]:
+        health = self.coordinator.health()
+        ready = GaugeMetricFamily("voice_server_pipeline_ready", "1 when every stage process is ready (/health 200)",
+                                  value=1.0 if health["status"] == "ok" else 0.0)
+        restarts = CounterMetricFamily("voice_server_stage_restarts", "Restarts of a stage's process after a crash",
+                                       labels=["stage"])
+        for stage, entry in health["stages"].items():
+            restarts.add_metric([stage], float(entry.get("num_restarts", 0)))
+        inflight = GaugeMetricFamily("voice_server_inflight_requests", "Requests in flight in the pipeline",
+                                     value=float(health.get("num_inflight", 0)))
+        yield from (ready, restarts, inflight)
