@@ -13,6 +13,7 @@ import pytest
 from harness import CONFIGS
 
 from voice_server.config import BudgetError, ConfigError, load_pipeline, pipeline_from_dict, plan_budget
+from voice_server.config.budget import cgroup_memory_limit, host_memory_bytes
 
 F = "voice_server.stages.numeric:create_echo"
 
@@ -123,6 +124,24 @@ def test_budget_sums_per_device_and_refuses_overcommit() -> None:
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "voice_server.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_cpu_budgets_follow_a_container_memory_limit(tmp_path: Path) -> None:
+    physical = host_memory_bytes(str(tmp_path / "none"))
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text(f"{2**30}\n")
+    assert cgroup_memory_limit(str(v2)) == 2**30 and host_memory_bytes(str(v2)) == min(physical, 2**30)
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_memory_limit(str(v2)) is None and host_memory_bytes(str(v2)) == physical
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory/memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert cgroup_memory_limit(str(v1)) is None
+    (v1 / "memory/memory.limit_in_bytes").write_text(f"{3 * 2**30}\n")
+    assert host_memory_bytes(str(v1)) == min(physical, 3 * 2**30)
+    # This machine's own cgroup: whatever it says, the budget never exceeds physical RAM.
+    assert 0 < host_memory_bytes() <= physical
 
 
 def test_check_config_prints_topology_and_budget() -> None:

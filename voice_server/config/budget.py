@@ -28,8 +28,34 @@ class StageBudget:
     """Resolved for `cpu` at launch; for GPUs the stage process resolves it with torch."""
 
 
-def host_memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def host_memory_bytes(cgroup_root: str = CGROUP_ROOT) -> int:
+    """The RAM this process may use: physical memory, or the container's memory limit when lower.
+
+    NOTE: in a container (a Kubernetes pod with `resources.limits.memory`, `docker run -m`) the
+    physical size is the node's; CPU stages sized from it would overrun the limit and be OOM-killed.
+    The limit is the cgroup's: v2 `memory.max`, v1 `memory/memory.limit_in_bytes`, read at the mount
+    root, which is the container's own cgroup under a cgroup namespace (the default for containers).
+    """
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limit = cgroup_memory_limit(cgroup_root)
+    return min(physical, limit) if limit is not None else physical
+
+
+def cgroup_memory_limit(cgroup_root: str = CGROUP_ROOT) -> int | None:
+    """The cgroup memory limit in bytes; None when there is none ("max", v1's huge sentinel) or no file."""
+    for name in ("memory.max", "memory/memory.limit_in_bytes"):
+        try:
+            with open(os.path.join(cgroup_root, name)) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**62:  # NOTE: v1 writes "unlimited" as ~2**63 rounded to a page
+            return int(text)
+        return None
+    return None
 
 
 def plan_budget(cfg: PipelineConfig) -> list[StageBudget]:
