@@ -27,9 +27,13 @@ JAVASCRIPT = ("text/javascript", "application/javascript")
 
 
 class NoCoordinator:
-    """Stands in for the coordinator: serving files never asks it anything but readiness."""
+    """Stands in for the coordinator: serving files never asks it anything but readiness (and its
+    health, which `/metrics` reports)."""
 
     is_ready = False
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "starting", "pipeline": "none", "stages": {}}
 
 
 class ThreadServer:
