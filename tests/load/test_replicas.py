@@ -3,7 +3,8 @@ running `configs/nginx-replicas.conf`. Sessions opened through nginx spread over
 (least_conn); SIGKILL of one replica's process tree closes only its own sessions, the other's keep
 talking, and new sessions go to the survivor. The browser's Origin reaches the replicas' allow-list.
 
-nginx comes from Debian (`apt-get install -y nginx`; `.ci/run` installs it for `make test`).
+nginx comes from Debian (`apt-get install -y nginx`; `.ci/run` installs it for `make test`), or
+$VOICE_SERVER_NGINX names the binary.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ stages:
 
 
 def nginx_binary() -> str | None:
-    # NOTE: /usr/sbin is not on every user's PATH.
+    """$VOICE_SERVER_NGINX, else nginx on PATH or in /usr/sbin (not on every user's PATH)."""
+    if "VOICE_SERVER_NGINX" in os.environ:
+        return shutil.which(os.environ["VOICE_SERVER_NGINX"])
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
 
 
@@ -129,7 +132,7 @@ def open_through(nginx: Nginx, replicas: list[ServerProcess]) -> tuple[ClientCon
 def nginx_path() -> str:
     path = nginx_binary()
     if path is None:  # NOTE: before the replicas start; under `make test` (VOICE_SERVER_NO_SKIP=1) a failure
-        pytest.skip("nginx is not installed (Debian: apt-get install -y nginx; .ci/run installs it)")
+        pytest.skip("no nginx: apt-get install -y nginx (.ci/run installs it), or set VOICE_SERVER_NGINX")
     return path
 
 
