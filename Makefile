@@ -7,7 +7,7 @@ CONFIG ?= configs/default.yaml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-serve run test lint typecheck unit bench bench-pipeline bench-llm clean
+.PHONY: install install-serve run test lint typecheck unit bench bench-pipeline bench-llm loadtest clean
 
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
@@ -24,7 +24,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q -e '.[dev,whisper,piper]'
+	$(PY) -m pip install -q -e '.[dev,whisper,piper,loadtest]'
 	touch $(STAMP)
 
 install-serve: $(SERVE_STAMP)
@@ -57,6 +57,16 @@ bench-pipeline: install
 bench-llm: install
 	$(PY) -m pip install -q -e '.[bench]'
 	OMP_NUM_THREADS=1 $(PY) loadtest/bench_llm.py --streams 4,8
+
+# NOTE: the locust load test (loadtest/run_locust.py, docs/OPERATIONS.md "Load testing"): starts
+# `voice-server serve --config $(CONFIG)` on a free port, or uses URL=http://HOST:PORT (a running server;
+# not HOST, which is `make run`'s bind address); CSVs go to runs/loadtest/. Extra locust options: ARGS.
+USERS ?= 4
+DURATION ?= 2m
+ENDPOINT ?= ws
+loadtest: install
+	OMP_NUM_THREADS=1 $(PY) loadtest/run_locust.py --config $(CONFIG) --users $(USERS) --duration $(DURATION) \
+		--endpoint $(ENDPOINT) $(if $(URL),--url $(URL)) -- $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache

@@ -161,3 +161,23 @@ def run_greedy_codes() -> torch.Tensor:
     prompt = tiny_prompt_ids(num_user_text=5)
     turn = run_greedy_thinker(thinker, torch.tensor([prompt]), CFG.talker.accept_hidden_layer, 10**6, 6)
     return reference_codes(thinker, talker, turn, len(prompt), 24)
+
+
+def test_a_reply_stops_at_the_models_positions() -> None:
+    # NOTE: the tiny talker has 512 positions (its cos/sin table); the default max_model_len (32768) must
+    # not let a long reply step past them: it ends there (found by loadtest/locustfile.py on the tiny config).
+    thinker, talker = models()
+    config = TalkerRunnerConfig(budget_bytes=256 << 20, thinker_hidden_size=32, page_size=16, decode_graphs="off")
+    runner = TalkerRunner(talker, turn_token_ids(CFG), config)
+    assert runner.ar_spec.max_model_len == CFG.talker.max_position_embeddings == 512
+    sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=256, prefix_cache=False)
+    prompt = tiny_prompt_ids(num_user_text=5)
+    turn = run_greedy_thinker(thinker, torch.tensor([prompt]), CFG.talker.accept_hidden_layer, 10**6, 6)
+    sched.add(runner.admit(WorkItem("a", WorkKind.NEW, {}, {"talker": {"max_frames": 4096}}, is_stream=True)), 0.0)
+    for k, chunk in enumerate(thinker_chunks(thinker, turn, len(prompt))):
+        sched.add(runner.admit(WorkItem("a", WorkKind.CHUNK, chunk, seq=k)), 0.0)
+    sched.add(runner.admit(WorkItem("a", WorkKind.DONE, {}, seq=6)), 0.0)
+    emits = drain(sched, runner)
+    num_frames = sum(e.payload["codes"].shape[1] for e in emits if "codes" in e.payload)
+    assert [e.kind for e in emits if e.kind is not EmitKind.STREAM] == [EmitKind.RESULT], emits[-1]
+    assert 0 < num_frames < 512

@@ -48,7 +48,7 @@ class TalkerRunnerConfig:
     max_frames: int = 4096
     """Default `params.talker.max_frames`: frames per reply at most (12.5 frames per second of audio)."""
     max_model_len: int = 32768
-    """Talker positions (prompt + frames) per request at most (M-RoPE has no table to outgrow)."""
+    """Talker positions (prompt + frames) per request at most; capped at the model's `max_position_embeddings`."""
     sampling: TalkerSampling = TalkerSampling()
     seed: int | None = None
     decode_graphs: str = "auto"
@@ -90,7 +90,9 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             bytes_per_page=PagedKVCache.bytes_per_page(cfg.num_hidden_layers, config.page_size,
                                                        cfg.num_key_value_heads, cfg.head_dim, self.dtype),
             page_size=config.page_size,
-            max_model_len=config.max_model_len,
+            # NOTE: the paged path indexes a cos/sin table of max_position_embeddings rows (`mrope.py`):
+            # a longer sequence would index past it (IndexError mid-reply) instead of stopping at the limit.
+            max_model_len=min(config.max_model_len, cfg.max_position_embeddings),
         )
         self.cache = PagedKVCache(cfg.num_hidden_layers, self.plan.num_pages, config.page_size,
                                   cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device)

@@ -2,7 +2,7 @@
 
 List it in the thinker's `stream_to`, and list the code2wav stage in its own `stream_to`.
 factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus `page_size` (16),
-`max_model_len` (32768 positions), `speaker` (`ethan`), `max_frames` (4096, per reply; a request
+`max_model_len` (32768 positions, at most the model's), `speaker` (`ethan`), `max_frames` (4096, per reply; a request
 may lower or raise it with `params.talker.max_frames`), `sampling` (`greedy`, the reference's
 `talker_do_sample=False`, default; or `sample`, its sampling defaults) and `sampler_seed` (null).
 `cuda_graphs` (`auto`: decode-only steps captured as CUDA graphs per batch-size bucket on CUDA;
