@@ -12,12 +12,15 @@ from collections.abc import Iterator
 from harness import Pipeline, shm_segments
 from live_server import LiveServer, speech_pipeline
 
+from voice_server.server.session_limits import SessionLimits
+
 STEP_DELAY_MS = 30  # NOTE: each step streams 80 ms of audio: faster than real time, slow enough to interrupt
 
 
 class SessionServer(LiveServer):
-    def __init__(self, pipeline: Pipeline | None = None, stage: str = "speech") -> None:
-        super().__init__(pipeline or speech_pipeline(STEP_DELAY_MS))
+    def __init__(self, pipeline: Pipeline | None = None, stage: str = "speech",
+                 limits: SessionLimits | None = None) -> None:
+        super().__init__(pipeline or speech_pipeline(STEP_DELAY_MS), limits)
         self.stage = stage
         """The AR stage whose counters `counters` and `wait_idle` read."""
 
@@ -38,9 +41,10 @@ class SessionServer(LiveServer):
         self.pipeline.close()
 
 
-def serve(pipeline: Pipeline | None = None, stage: str = "speech") -> Iterator[SessionServer]:
+def serve(pipeline: Pipeline | None = None, stage: str = "speech",
+          limits: SessionLimits | None = None) -> Iterator[SessionServer]:
     """The body of a module-scoped fixture: one server per test module, checked for leaks at the end."""
-    srv = SessionServer(pipeline, stage)
+    srv = SessionServer(pipeline, stage, limits)
     yield srv
     srv.close()
     assert shm_segments(srv.pipeline.coordinator.launch_id) == []

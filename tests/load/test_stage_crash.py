@@ -1,0 +1,84 @@
+"""A stage process SIGKILLed while 8 sessions talk: every response in flight ends with a failed
+`response_done` naming the dead process, the sessions stay open, the supervisor restarts the stage,
+the next turn of every session completes, and no request, KV page, relay slot or `/dev/shm` segment
+is left behind.
+
+NOTE: the two-process stand-in speech pipeline (`load_sessions.two_stage_pipeline`), not
+`configs/default.yaml`: its stages restart in well under a second, so killing each in turn stays a
+few seconds of test; the default's 3-6 s restarts and real speech would make it a minute."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from load_sessions import (
+    Turn,
+    open_sessions,
+    resources,
+    talk,
+    talk_in_parallel,
+    two_stage_pipeline,
+    wait_baseline,
+    wait_ready,
+)
+from session_server import SessionServer, serve
+
+NUM_SESSIONS = 8
+ROUNDS = int(os.environ.get("VOICE_SERVER_FAULT_ROUNDS", "1"))
+"""Kills of each stage process (`make faults-long` runs more)."""
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[SessionServer]:
+    yield from serve(two_stage_pipeline(step_delay_ms=30))
+
+
+def kill_mid_response(srv: SessionServer, process: str, sessions: list[object]) -> list[Turn]:
+    """Each session starts a turn; once every response is streaming, SIGKILL `process`."""
+    turns: list[Turn | None] = [None] * len(sessions)
+
+    def run(i: int) -> None:
+        turns[i] = talk(sessions[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while resources(srv)["speech.num_running"] < len(sessions):  # NOTE: all 8 are mid-response now
+        assert time.monotonic() < deadline, resources(srv)
+        time.sleep(0.01)
+    handle = srv.pipeline.coordinator.launcher.handles[process]
+    assert handle.pid is not None
+    os.kill(handle.pid, signal.SIGKILL)
+    for t in threads:
+        t.join(30)
+    assert all(t is not None for t in turns)
+    return [t for t in turns if t is not None]
+
+
+def test_each_stage_killed_while_8_sessions_talk(server: SessionServer) -> None:
+    sessions = open_sessions(server, NUM_SESSIONS, max_tokens=60)  # NOTE: ~2 s per reply: time to kill
+    assert all(t.status == "completed" for [t] in talk_in_parallel(sessions))
+    baseline = resources(server)
+    assert baseline["speech.requests"] == 0 and baseline["coordinator.inflight"] == 0, baseline
+    for _ in range(ROUNDS):
+        for process in ("front", "speech"):
+            handle = server.pipeline.coordinator.launcher.handles[process]
+            restarts = handle.num_restarts
+            turns = kill_mid_response(server, process, sessions)
+            for turn in turns:
+                assert turn.status == "failed" and f"stage process '{process}'" in turn.error, turn
+                assert "died" in turn.error and turn.num_audio_bytes > 0, turn  # cut mid-reply
+            wait_ready(server)
+            assert handle.num_restarts == restarts + 1
+            again = talk_in_parallel(sessions)  # the same sessions: still open, and served again
+            assert all(t.status == "completed" and t.num_audio_bytes > 0 for [t] in again), again
+            wait_baseline(server, baseline)
+    for ws in sessions:
+        ws.close()
+    wait_baseline(server, {**baseline, "active_sessions": 0})
