@@ -13,8 +13,10 @@ from typing import Any
 
 from harness import Pipeline, shm_segments
 from live_server import metric, open_session
+from realtime_client import RealtimeClient, text_item, transcript
 from session_server import SessionServer
 
+from voice_server.audio import b64decode
 from voice_server.config import pipeline_from_dict
 
 
@@ -40,10 +42,14 @@ class Turn:
     text: str = ""
 
 
-def talk(ws: Any, text: str = "hello", timeout: float = 20.0) -> Turn:
-    """One typed turn to its `response_done`."""
+def talk(ws: Any, text: str = "hello", timeout: float = 20.0, audio: bytes | None = None) -> Turn:
+    """One typed turn (or, with `audio`, a spoken one committed by hand: a session opened with
+    `turn_detection=None`) to its `response_done`."""
+    if audio is not None:
+        ws.send(audio)
+        ws.send(json.dumps({"type": "input.commit"}))
     sent = time.monotonic()
-    ws.send(json.dumps({"type": "text", "text": text}))
+    ws.send(json.dumps({"type": "response.create"} if audio is not None else {"type": "text", "text": text}))
     first_audio, num_audio, deadline = None, 0, sent + timeout
     while True:
         message = ws.recv(max(0.01, deadline - time.monotonic()))
@@ -56,15 +62,33 @@ def talk(ws: Any, text: str = "hello", timeout: float = 20.0) -> Turn:
             return Turn(event["status"], event.get("error", ""), num_audio, first_audio, event.get("text", ""))
 
 
+def realtime_talk(client: RealtimeClient, text: str = "hello", timeout: float = 20.0) -> Turn:
+    """One typed turn of a `/v1/realtime` session to its `response.done`."""
+    sent = time.monotonic()
+    client.send("conversation.item.create", item=text_item(text))
+    client.send("response.create")
+    events = client.until("response.done", timeout)
+    audio = [e for e in events if e["type"] == "response.output_audio.delta"]
+    response = events[-1]["response"]
+    error = ((response.get("status_details") or {}).get("error") or {}).get("message", "")
+    return Turn(response["status"], error, sum(len(b64decode(e["delta"])) for e in audio),
+                audio[0]["_at"] - sent if audio else None, transcript(events))
+
+
+def take_turn(session: Any, audio: bytes | None = None) -> Turn:
+    return realtime_talk(session) if isinstance(session, RealtimeClient) else talk(session, audio=audio)
+
+
 def talk_in_parallel(sessions: list[Any], rounds: int = 1) -> list[list[Turn]]:
-    """Each session takes `rounds` turns in its own thread; the turns of each session, in order."""
+    """Each session (native or Realtime) takes `rounds` typed turns in its own thread; the turns of
+    each session, in order."""
     results: list[list[Turn]] = [[] for _ in sessions]
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
             for _ in range(rounds):
-                results[i].append(talk(sessions[i]))
+                results[i].append(take_turn(sessions[i]))
         except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
             errors.append(exc)
 
@@ -78,8 +102,8 @@ def talk_in_parallel(sessions: list[Any], rounds: int = 1) -> list[list[Turn]]:
     return results
 
 
-def open_sessions(srv: SessionServer, num: int, max_tokens: int = 12) -> list[Any]:
-    return [open_session(srv.ws_url, params={"sampling": {"max_tokens": max_tokens}}) for _ in range(num)]
+def open_sessions(srv: SessionServer, num: int, max_tokens: int = 12, **start: Any) -> list[Any]:
+    return [open_session(srv.ws_url, params={"sampling": {"max_tokens": max_tokens}}, **start) for _ in range(num)]
 
 
 def resources(srv: SessionServer) -> dict[str, Any]:
