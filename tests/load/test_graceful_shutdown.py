@@ -1,12 +1,13 @@
 """SIGTERM to a real `voice-server serve` (the stand-in speech stage) while sessions on all three
 endpoints are open and two of them mid-response: every session is closed with 1001, the process
 exits 0 (within the stop's 15 s bound), and no stage process or `/dev/shm` segment of the launch is
-left behind."""
+left behind; the same when the SIGTERM lands while a crashed stage waits for its restart."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from websockets.sync.client import ClientConnection, connect
 
 TESTS = Path(__file__).resolve().parents[1]
 CONFIG = """name: speech-serve
+restart_backoff_s: BACKOFF
 stages:
   - {name: speech, factory: 'speech_stages:create_fake_speech', scheduler: ar, terminal: true,
      max_batch_size: 8, max_step_tokens: 64, memory_fraction: 0.01, factory_args: {step_delay_ms: 30}}
@@ -54,7 +56,7 @@ def test_sigterm_closes_sessions_on_every_endpoint_with_1001_and_leaves_nothing(
     launcher: Launcher, tmp_path: Path
 ) -> None:
     config = tmp_path / "speech.yaml"
-    config.write_text(CONFIG)
+    config.write_text(CONFIG.replace("BACKOFF", "0.5"))
     server = launcher.start(config=config)
     server.wait_healthy()
     children = children_of(server.proc.pid)
@@ -77,6 +79,27 @@ def test_sigterm_closes_sessions_on_every_endpoint_with_1001_and_leaves_nothing(
     realtime.reader.join(10)
     assert realtime.ws.protocol.close_rcvd is not None and realtime.ws.protocol.close_rcvd.code == 1001
     assert phone.closed_with(10) == 1001
+    assert wait_gone(children, 5.0) == []
+    assert shm_segments(launch) == []
+    assert "Traceback" not in server.stderr, server.stderr
+
+
+def test_sigterm_while_a_crashed_stage_waits_for_its_restart(launcher: Launcher, tmp_path: Path) -> None:
+    config = tmp_path / "speech.yaml"
+    config.write_text(CONFIG.replace("BACKOFF", "30"))  # NOTE: the SIGTERM lands inside the backoff
+    server = launcher.start(config=config)
+    server.wait_healthy()
+    stage = stage_processes(server.proc.pid)["speech"]
+    launch = launch_of(stage)
+    ws = native(server.port, 2000)
+    ws.send(json.dumps({"type": "text", "text": "go on forever"}))
+    events_until(ws, "response_started")
+    os.kill(stage, signal.SIGKILL)
+    done = events_until(ws, "response_done")[0][-1]
+    assert done["status"] == "failed" and "died" in done["error"], done
+    children = children_of(server.proc.pid)
+    assert server.stop(timeout=15) == 0, server.stderr
+    assert close_code(ws) == 1001
     assert wait_gone(children, 5.0) == []
     assert shm_segments(launch) == []
     assert "Traceback" not in server.stderr, server.stderr

@@ -1,0 +1,79 @@
+"""`make faults-long` only (not collected by `make test`: the name is not test_*.py): each stage process of
+the embedded CPU default (`configs/default.yaml`: asr, thinker, talker) SIGKILLed in turn while 8
+sessions take typed turns. Real speech and 3-6 s restarts make this about a minute; the short
+version on the stand-in pipeline is test_stage_crash.py.
+
+A reply of the default is a second or two of compute, so the 8 turns are not all in flight at the
+kill: each turn either completed before it or failed naming the dead process; at least one failed.
+Then every session's next turn completes, and everything returns to its baseline."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import Pipeline
+from load_sessions import Turn, open_sessions, resources, talk, talk_in_parallel, wait_baseline, wait_ready
+from session_server import SessionServer, serve
+
+from voice_server.config.loading import load_pipeline
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+NUM_SESSIONS = 8
+QUESTION = "Tell me about the moon and the stars."
+
+
+@pytest.fixture(scope="module")
+def default() -> Iterator[SessionServer]:
+    yield from serve(Pipeline(load_pipeline(CONFIG)), stage="thinker")
+
+
+def start_turns(sessions: list[Any]) -> tuple[list[threading.Thread], list[Turn | None]]:
+    """Each session asks QUESTION in its own thread; the threads, and the turns they fill in."""
+    turns: list[Turn | None] = [None] * len(sessions)
+
+    def run(i: int) -> None:
+        turns[i] = talk(sessions[i], QUESTION, 60)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
+    for t in threads:
+        t.start()
+    return threads, turns
+
+
+def test_each_default_stage_killed_while_8_sessions_talk(default: SessionServer) -> None:
+    sessions = open_sessions(default, NUM_SESSIONS, max_tokens=60)
+    assert all(t.status == "completed" for [t] in talk_in_parallel(sessions)), "warm-up"
+    baseline = resources(default)
+    for process in ("asr", "thinker", "talker"):
+        handle = default.pipeline.coordinator.launcher.handles[process]
+        restarts = handle.num_restarts
+        threads, turns = start_turns(sessions)
+        deadline = time.monotonic() + 30
+        while resources(default)["thinker.num_running"] < 2:  # NOTE: replies are being decoded
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert handle.pid is not None
+        os.kill(handle.pid, signal.SIGKILL)
+        for t in threads:
+            t.join(90)
+        done = [t for t in turns if t is not None]
+        assert len(done) == NUM_SESSIONS
+        failed = [t for t in done if t.status == "failed"]
+        print(f"{process} killed: {len(failed)} of {NUM_SESSIONS} responses failed")
+        assert failed and all(f"stage process '{process}'" in t.error and "died" in t.error for t in failed), done
+        assert all(t.status in ("completed", "failed") for t in done), done
+        wait_ready(default, timeout=60)
+        assert handle.num_restarts == restarts + 1
+        again = talk_in_parallel(sessions)
+        assert all(t.status == "completed" and t.num_audio_bytes > 0 for [t] in again), again
+        wait_baseline(default, baseline, timeout=30)
+    for ws in sessions:
+        ws.close()
+    wait_baseline(default, {**baseline, "active_sessions": 0})
