@@ -7,7 +7,11 @@ speech stage with `--stand-in`), then alternates blocks of the two conditions:
   running (a reader that stopped reading while its microphone streams on, half a frame then a hang,
   half a frame then a cut TCP connection, a disconnect mid-response without a close frame), each
   replaced by a fresh one after `--bad-life-s`: every bad client starts a response the pipeline
-  computes, so this is the load they put on the server.
+  computes, so this is the load they put on the server;
+- `polite clients` (the control): as many well-behaved extra sessions on the same cadence, each taking
+  one turn, reading its reply and closing properly: the same work without the misbehaviour. `bad
+  clients` near `polite clients` means the misbehaviour costs the good sessions nothing beyond the
+  work the extra sessions ask for.
 Measured per good turn, at the client: the turn sent -> the first reply audio byte received.
 Printed: p50/p90 per condition, their ratio to `alone`, failed good turns, bad clients started, and the
 server's active sessions gauge once the bad clients are gone (every one freed: 0).
@@ -47,10 +51,10 @@ stages:
 """
 
 
-def good_session(port: int) -> ClientConnection:
+def good_session(port: int, max_tokens: int = 24) -> ClientConnection:
     ws = connect(f"ws://127.0.0.1:{port}/ws", open_timeout=10, max_size=None)
     ws.send(json.dumps({"type": "session.start", "input_rate": 16000, "output_rate": 24000,
-                        "params": {"sampling": {"max_tokens": 24}}}))
+                        "params": {"sampling": {"max_tokens": max_tokens}}}))
     assert json.loads(ws.recv(10))["type"] == "session.started"
     return ws
 
@@ -92,18 +96,31 @@ def run_good(port: int, num_turns: int) -> tuple[list[float], int]:
     return latencies, failures[0]
 
 
-class BadClients:
-    """Keeps one bad client of each kind running until `stop`."""
+class PoliteClient:
+    """An extra session that takes one turn, reads its whole reply and closes with a close frame."""
 
-    def __init__(self, port: int, life_s: float) -> None:
-        self.port, self.life_s = port, life_s
+    def __init__(self, port: int) -> None:
+        self.ws = good_session(port, max_tokens=400)  # NOTE: what a bad client asks for
+        self.thread = threading.Thread(target=turn, args=(self.ws, "talk for a long time"), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.thread.join(30)
+        self.ws.close()
+
+
+class BadClients:
+    """Keeps one bad client of each kind (or, `polite`, one well-behaved one per kind) running until `stop`."""
+
+    def __init__(self, port: int, life_s: float, polite: bool = False) -> None:
+        self.port, self.life_s, self.polite = port, life_s, polite
         self.num_started, self.errors = 0, []  # type: tuple[int, list[str]]
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        live: dict[str, tuple[RawSession, float]] = {}
+        live: dict[str, tuple[RawSession | PoliteClient, float]] = {}
         while not self._stop.is_set():
             for kind in KINDS:
                 client, since = live.get(kind, (None, 0.0))
@@ -112,7 +129,8 @@ class BadClients:
                 if client is not None:
                     client.close()
                 try:
-                    live[kind] = (start_bad_client(kind, self.port), time.monotonic())
+                    client = PoliteClient(self.port) if self.polite else start_bad_client(kind, self.port)
+                    live[kind] = (client, time.monotonic())
                     self.num_started += 1
                 except (OSError, AssertionError) as exc:  # NOTE: reported, the run goes on
                     self.errors.append(f"{kind}: {exc}")
@@ -151,16 +169,16 @@ def main() -> None:
     proc, port = start_server(config)
     try:
         run_good(port, NUM_GOOD)  # NOTE: warm-up
-        results: dict[str, list[float]] = {"alone": [], "bad clients": []}
-        failures = {"alone": 0, "bad clients": 0}
+        results: dict[str, list[float]] = {"alone": [], "bad clients": [], "polite clients": []}
+        failures = dict.fromkeys(results, 0)
         num_bad, bad_errors = 0, []
         for _ in range(args.blocks):
             for condition in results:
-                bad = BadClients(port, args.bad_life_s) if condition == "bad clients" else None
+                bad = None if condition == "alone" else BadClients(port, args.bad_life_s, condition == "polite clients")
                 latencies, failed = run_good(port, args.turns)
                 if bad is not None:
                     bad.stop()
-                    num_bad += bad.num_started
+                    num_bad += bad.num_started if not bad.polite else 0
                     bad_errors += bad.errors
                 results[condition] += latencies
                 failures[condition] += failed
