@@ -1,18 +1,21 @@
 """Overload under load (the single-session refusals are in tests/server/test_session_limits.py):
 while admitted sessions talk, sessions beyond `max_sessions` are closed with 1013 at once (never
 accepted and left waiting), and turns beyond the engine's `max_inflight_requests` get a failed
-`response_done` while their sessions stay usable; the admitted work completes either way."""
+`response_done` (Realtime: a failed `response.done`) while their sessions stay usable; the admitted
+work completes either way."""
 
 from __future__ import annotations
 
 import json
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from harness import Pipeline
 from live_server import LiveServer, metric, speech_pipeline
-from load_sessions import Turn, open_sessions, talk, talk_in_parallel
+from load_sessions import Turn, open_sessions, take_turn, talk_in_parallel
+from realtime_client import RealtimeClient
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
@@ -69,7 +72,9 @@ def test_sessions_beyond_max_sessions_are_refused_while_the_admitted_ones_talk(s
 
 
 def test_turns_beyond_max_inflight_fail_and_their_sessions_stay_usable(server: LiveServer) -> None:
-    sessions = open_sessions(server, MAX_SESSIONS, max_tokens=40)
+    sessions: list[Any] = open_sessions(server, MAX_SESSIONS - 1, max_tokens=40)
+    sessions.append(RealtimeClient(server.port))  # NOTE: a refusal there is a failed `response.done`
+    sessions[-1].update(max_output_tokens=40)
     turns = [t for [t] in talk_in_parallel(sessions)]
     refused = [t for t in turns if t.status == "failed"]
     # NOTE: at least one of 4 simultaneous turns is over the limit of 3; a turn that came after
@@ -77,9 +82,9 @@ def test_turns_beyond_max_inflight_fail_and_their_sessions_stay_usable(server: L
     assert 1 <= len(refused) <= MAX_SESSIONS - 1, turns
     assert all("max_inflight_requests" in t.error and t.num_audio_bytes == 0 for t in refused), refused
     assert all(t.num_audio_bytes > 0 for t in turns if t.status == "completed"), turns
-    for ws in sessions:  # every session, refused or not, takes its next turn
-        assert talk(ws).status == "completed"
+    for session in sessions:  # every session, refused or not, takes its next turn
+        assert take_turn(session).status == "completed"
     samples = server.metrics()
     assert metric(samples, "voice_server_responses_total", status="failed") == len(refused)
-    for ws in sessions:
-        ws.close()
+    for session in sessions:
+        session.close()
