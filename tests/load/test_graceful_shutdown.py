@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bad_clients import KINDS, start_bad_client
 from harness import children_of, launch_of, shm_segments, stage_processes, wait_gone
 from live_server import events_until
 from realtime_client import RealtimeClient, text_item
@@ -100,6 +102,28 @@ def test_sigterm_while_a_crashed_stage_waits_for_its_restart(launcher: Launcher,
     children = children_of(server.proc.pid)
     assert server.stop(timeout=15) == 0, server.stderr
     assert close_code(ws) == 1001
+    assert wait_gone(children, 5.0) == []
+    assert shm_segments(launch) == []
+    assert "Traceback" not in server.stderr, server.stderr
+
+
+def test_sigterm_with_bad_clients_connected(launcher: Launcher, tmp_path: Path) -> None:
+    """A reader that stopped reading cannot take a close frame: it is dropped, and the stop still ends."""
+    config = tmp_path / "speech.yaml"
+    config.write_text(CONFIG.replace("BACKOFF", "0.5"))
+    server = launcher.start(config=config)
+    server.wait_healthy()
+    launch = launch_of(stage_processes(server.proc.pid)["speech"])
+    good = native(server.port, 12)
+    bad = [start_bad_client(kind, server.port) for kind in KINDS]
+    time.sleep(1.0)  # NOTE: the stalled reader's buffers fill meanwhile
+    children = children_of(server.proc.pid)
+    started = time.monotonic()
+    assert server.stop(timeout=15) == 0, server.stderr
+    print(f"SIGTERM with {', '.join(KINDS)} connected: exited in {time.monotonic() - started:.2f} s")
+    assert close_code(good) == 1001
+    for client in bad:
+        client.close()
     assert wait_gone(children, 5.0) == []
     assert shm_segments(launch) == []
     assert "Traceback" not in server.stderr, server.stderr
