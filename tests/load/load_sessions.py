@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,26 +76,32 @@ def realtime_talk(client: RealtimeClient, text: str = "hello", timeout: float = 
                 audio[0]["_at"] - sent if audio else None, transcript(events))
 
 
-def take_turn(session: Any, audio: bytes | None = None) -> Turn:
-    return realtime_talk(session) if isinstance(session, RealtimeClient) else talk(session, audio=audio)
+def take_turn(session: Any, audio: bytes | None = None, text: str = "hello", timeout: float = 20.0) -> Turn:
+    """A Realtime session's typed turn, or a native session's (spoken, with `audio`)."""
+    if isinstance(session, RealtimeClient):
+        return realtime_talk(session, text, timeout)
+    return talk(session, text, timeout, audio)
 
 
-def talk_in_parallel(sessions: list[Any], rounds: int = 1) -> list[list[Turn]]:
-    """Each session (native or Realtime) takes `rounds` typed turns in its own thread; the turns of
-    each session, in order."""
+def talk_in_parallel(sessions: list[Any], rounds: int = 1, audio: bytes | None = None, text: str = "hello",
+                     during: Callable[[], None] | None = None, timeout: float = 20.0) -> list[list[Turn]]:
+    """Each session (native or Realtime) takes `rounds` turns (`take_turn`) in its own thread, while
+    this thread runs `during` (e.g. a fault to inject); the turns of each session, in order."""
     results: list[list[Turn]] = [[] for _ in sessions]
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
         try:
             for _ in range(rounds):
-                results[i].append(take_turn(sessions[i]))
+                results[i].append(take_turn(sessions[i], audio, text, timeout))
         except BaseException as exc:  # noqa: BLE001 (re-raised in the caller)
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
     for t in threads:
         t.start()
+    if during is not None:
+        during()
     for t in threads:
         t.join(120)
     if errors:

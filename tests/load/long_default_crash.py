@@ -9,17 +9,16 @@ Then every session's next turn completes, and everything returns to its baseline
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from harness import Pipeline
-from load_sessions import Turn, open_sessions, resources, talk, talk_in_parallel, wait_baseline, wait_ready
+from load_sessions import open_sessions, resources, talk_in_parallel, wait_baseline, wait_ready
 from session_server import SessionServer, serve
 
 from voice_server.config.loading import load_pipeline
@@ -34,17 +33,15 @@ def default() -> Iterator[SessionServer]:
     yield from serve(Pipeline(load_pipeline(CONFIG)), stage="thinker")
 
 
-def start_turns(sessions: list[Any]) -> tuple[list[threading.Thread], list[Turn | None]]:
-    """Each session asks QUESTION in its own thread; the threads, and the turns they fill in."""
-    turns: list[Turn | None] = [None] * len(sessions)
-
-    def run(i: int) -> None:
-        turns[i] = talk(sessions[i], QUESTION, 60)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
-    for t in threads:
-        t.start()
-    return threads, turns
+def kill_while_decoding(srv: SessionServer, process: str) -> None:
+    """SIGKILL `process` once at least two replies are being decoded."""
+    deadline = time.monotonic() + 30
+    while resources(srv)["thinker.num_running"] < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    handle = srv.pipeline.coordinator.launcher.handles[process]
+    assert handle.pid is not None
+    os.kill(handle.pid, signal.SIGKILL)
 
 
 def test_each_default_stage_killed_while_8_sessions_talk(default: SessionServer) -> None:
@@ -54,17 +51,8 @@ def test_each_default_stage_killed_while_8_sessions_talk(default: SessionServer)
     for process in ("asr", "thinker", "talker"):
         handle = default.pipeline.coordinator.launcher.handles[process]
         restarts = handle.num_restarts
-        threads, turns = start_turns(sessions)
-        deadline = time.monotonic() + 30
-        while resources(default)["thinker.num_running"] < 2:  # NOTE: replies are being decoded
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert handle.pid is not None
-        os.kill(handle.pid, signal.SIGKILL)
-        for t in threads:
-            t.join(90)
-        done = [t for t in turns if t is not None]
-        assert len(done) == NUM_SESSIONS
+        kill = functools.partial(kill_while_decoding, default, process)
+        done = [t for [t] in talk_in_parallel(sessions, text=QUESTION, timeout=60, during=kill)]
         failed = [t for t in done if t.status == "failed"]
         print(f"{process} killed: {len(failed)} of {NUM_SESSIONS} responses failed")
         assert failed and all(f"stage process '{process}'" in t.error and "died" in t.error for t in failed), done

@@ -18,7 +18,7 @@ from voice_server.server.session_limits import SessionLimits
 
 NUM_GOOD = 4
 ROUNDS = 3
-LIMITS = SessionLimits(send_timeout_s=1.0, idle_timeout_s=3.0)
+LIMITS = SessionLimits(send_timeout_s=1.0, idle_timeout_s=5.0)
 """NOTE: short timeouts so the server drops the stalled and the hanging client within the test."""
 
 
@@ -46,7 +46,8 @@ def test_bad_clients_do_not_disturb_good_sessions_and_are_freed(server: SessionS
     dropped = {dict(labels)["reason"]: v for (name, labels), v in samples.items()
                if name == "voice_server_sessions_dropped_total"}
     print(f"dropped sessions: {dropped}")
-    assert dropped.get("slow_client") == 1, dropped  # the stalled reader: by the send timeout
-    assert dropped.get("idle", 0) <= 1, dropped  # the hanging half frame (unless its sends stalled first)
+    # NOTE: the stalled reader by the send timeout; the hanging half frame by the idle timeout, unless
+    # its reply filled its buffers first (it stopped reading too)
+    assert dropped.get("slow_client", 0) >= 1 and dropped.get("slow_client", 0) + dropped.get("idle", 0) == 2, dropped
     for client in bad:
         client.close()

@@ -11,23 +11,15 @@ few seconds of test; the default's 3-6 s restarts and real speech would make it 
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
-import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from load_sessions import (
-    Turn,
-    open_sessions,
-    resources,
-    take_turn,
-    two_stage_pipeline,
-    wait_baseline,
-    wait_ready,
-)
+from load_sessions import open_sessions, resources, talk_in_parallel, two_stage_pipeline, wait_baseline, wait_ready
 from realtime_client import RealtimeClient
 from session_server import SessionServer, serve
 
@@ -47,36 +39,15 @@ def server() -> Iterator[SessionServer]:
     yield from serve(two_stage_pipeline(step_delay_ms=30, inline_threshold_bytes=1024))
 
 
-def turns_in_parallel(sessions: list[object]) -> list[Turn]:
-    """Each session takes one turn in its own thread."""
-    return kill_mid_response(None, "", sessions)
-
-
-def kill_mid_response(srv: SessionServer | None, process: str, sessions: list[object]) -> list[Turn]:
-    """Each session starts a turn; once every response is streaming, SIGKILL `process` (with a server)."""
-    turns: list[Turn | None] = [None] * len(sessions)
-
-    def run(i: int) -> None:
-        turns[i] = take_turn(sessions[i], AUDIO)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(sessions))]
-    for t in threads:
-        t.start()
-    if srv is None:
-        for t in threads:
-            t.join(30)
-        return [t for t in turns if t is not None]
+def kill_when_all_stream(srv: SessionServer, process: str, num_responses: int) -> None:
+    """SIGKILL `process` once `num_responses` responses are streaming from the speech stage."""
     deadline = time.monotonic() + 30
-    while resources(srv)["speech.num_running"] < len(sessions):  # NOTE: all 8 are mid-response now
+    while resources(srv)["speech.num_running"] < num_responses:
         assert time.monotonic() < deadline, resources(srv)
         time.sleep(0.01)
     handle = srv.pipeline.coordinator.launcher.handles[process]
     assert handle.pid is not None
     os.kill(handle.pid, signal.SIGKILL)
-    for t in threads:
-        t.join(30)
-    assert all(t is not None for t in turns)
-    return [t for t in turns if t is not None]
 
 
 def test_each_stage_killed_while_8_sessions_talk(server: SessionServer) -> None:
@@ -84,7 +55,7 @@ def test_each_stage_killed_while_8_sessions_talk(server: SessionServer) -> None:
     for _ in range(NUM_REALTIME):
         sessions.append(RealtimeClient(server.port))
         sessions[-1].update(max_output_tokens=MAX_TOKENS)
-    first = turns_in_parallel(sessions)
+    first = [t for [t] in talk_in_parallel(sessions, audio=AUDIO)]
     assert all(t.status == "completed" for t in first), first
     assert all(t.text.startswith(" m1a1 ") for t in first[:NUM_NATIVE]), first  # the audio reached the stage
     baseline = resources(server)
@@ -93,13 +64,14 @@ def test_each_stage_killed_while_8_sessions_talk(server: SessionServer) -> None:
         for process in ("front", "speech"):
             handle = server.pipeline.coordinator.launcher.handles[process]
             restarts = handle.num_restarts
-            turns = kill_mid_response(server, process, sessions)
+            kill = functools.partial(kill_when_all_stream, server, process, len(sessions))
+            turns = [t for [t] in talk_in_parallel(sessions, audio=AUDIO, during=kill)]
             for turn in turns:
                 assert turn.status == "failed" and f"stage process '{process}'" in turn.error, turn
                 assert "died" in turn.error and turn.num_audio_bytes > 0, turn  # cut mid-reply
             wait_ready(server)
             assert handle.num_restarts == restarts + 1
-            again = turns_in_parallel(sessions)  # the same sessions: still open, and served again
+            again = [t for [t] in talk_in_parallel(sessions, audio=AUDIO)]  # the same sessions, served again
             assert all(t.status == "completed" and t.num_audio_bytes > 0 for t in again), again
             wait_baseline(server, baseline)
     for session in sessions:
