@@ -72,7 +72,8 @@ loadtest: install
 # sessions, and every stage of configs/default.yaml killed under 8 sessions (real speech, 3-6 s restarts).
 faults-long: install
 	OMP_NUM_THREADS=1 VOICE_SERVER_NO_SKIP=1 VOICE_SERVER_FAULT_ROUNDS=5 $(VENV)/bin/pytest -q -p no:cacheprovider \
-		tests/load tests/load/long_default_crash.py
+		tests/load/test_stage_crash.py tests/load/test_overload.py tests/load/test_bad_clients.py \
+		tests/load/test_graceful_shutdown.py tests/load/long_default_crash.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
