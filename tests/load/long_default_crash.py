@@ -1,7 +1,7 @@
 """`make faults-long` only (not collected by `make test`: the name is not test_*.py): each stage process of
 the embedded CPU default (`configs/default.yaml`: asr, thinker, talker) SIGKILLed in turn while 8
-sessions take typed turns. Real speech and 3-6 s restarts make this about a minute; the short
-version on the stand-in pipeline is test_stage_crash.py.
+sessions take typed turns (~25 s with the start-up, real speech, 3-6 s restarts); the short version on
+the stand-in pipeline is test_stage_crash.py.
 
 A reply of the default is a second or two of compute, so the 8 turns are not all in flight at the
 kill: each turn either completed before it or failed naming the dead process; at least one failed.

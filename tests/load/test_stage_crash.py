@@ -1,13 +1,13 @@
 """A stage process SIGKILLed while 8 sessions talk (6 native ones with spoken turns, whose audio and
 replies travel through the relay, and 2 Realtime ones with typed turns): every response in flight
 ends with a failed `response_done` (Realtime: `response.done` with status `failed`) naming the dead
-process, the sessions stay open, the supervisor restarts the stage,
-the next turn of every session completes, and no request, KV page, relay slot or `/dev/shm` segment
-is left behind.
+process, the sessions stay open, the supervisor restarts the stage, the next turn of every session
+completes, and no request, KV page, relay slot or `/dev/shm` segment is left behind.
 
 NOTE: the two-process stand-in speech pipeline (`load_sessions.two_stage_pipeline`), not
-`configs/default.yaml`: its stages restart in well under a second, so killing each in turn stays a
-few seconds of test; the default's 3-6 s restarts and real speech would make it a minute."""
+`configs/default.yaml`: its stages restart in well under a second and its replies last as long as the
+test asks, so all 8 are mid-reply at each kill, in ~15 s of test with no model on 2 cores. The default
+(its 3-6 s restarts, 7 s start, real speech) is `long_default_crash.py`, in `make faults-long`."""
 
 from __future__ import annotations
 
