@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from live_server import metric
 from load_sessions import open_sessions, resources, talk_in_parallel, two_stage_pipeline, wait_baseline, wait_ready
 from realtime_client import RealtimeClient
 from session_server import SessionServer, serve
@@ -71,6 +72,9 @@ def test_each_stage_killed_while_8_sessions_talk(server: SessionServer) -> None:
                 assert "died" in turn.error and turn.num_audio_bytes > 0, turn  # cut mid-reply
             wait_ready(server)
             assert handle.num_restarts == restarts + 1
+            samples = server.metrics()  # NOTE: what an operator's alert sees
+            assert metric(samples, "voice_server_stage_restarts_total", stage=process) == restarts + 1
+            assert metric(samples, "voice_server_pipeline_ready") == 1
             again = [t for [t] in talk_in_parallel(sessions, audio=AUDIO)]  # the same sessions, served again
             assert all(t.status == "completed" and t.num_audio_bytes > 0 for t in again), again
             wait_baseline(server, baseline)
