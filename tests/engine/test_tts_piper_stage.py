@@ -17,9 +17,9 @@ pytest.importorskip("piper", reason="the `piper` extra: pip install -e '.[dev,pi
 
 from harness import Pipeline, shm_segments  # noqa: E402
 from speech_text import transcribe, word_error_rate  # noqa: E402
-from text_stages import text_deltas  # noqa: E402
+from talker_checks import gated_reply, talker_pipeline  # noqa: E402
+from talker_checks import pcm_of as talker_pcm  # noqa: E402
 
-from voice_server.config import pipeline_from_dict  # noqa: E402
 from voice_server.engine.requests import TerminalOutput  # noqa: E402
 from voice_server.runners.synthesizers import PIPER_RATE  # noqa: E402
 
@@ -34,55 +34,23 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tts() -> Iterator[Pipeline]:
-    cfg = pipeline_from_dict({
-        "name": "tts-piper",
-        "stages": [
-            {"name": "thinker", "factory": "text_stages:create_scripted_text", "scheduler": "ar",
-             "terminal": True, "stream_to": ["talker"], "memory_fraction": 0.01, "max_batch_size": 4},
-            {"name": "talker", "factory": "voice_server.stages.tts:create_tts", "terminal": True,
-             "memory_fraction": 0.01, "max_batch_size": 4, "factory_args": {"engine": "piper", "num_threads": 1}},
-        ],
-    })
-    pipeline = Pipeline(cfg)
+    pipeline = talker_pipeline("tts-piper", engine="piper")
     yield pipeline
     pipeline.close()
     assert shm_segments(pipeline.coordinator.launch_id) == []
 
 
 def pcm_of(outputs: list[TerminalOutput]) -> np.ndarray:
-    talker = [o for o in outputs if o.stage == "talker" and not o.is_final]
-    pieces = [o.payload["pcm"] for o in talker]
-    assert pieces and all(isinstance(p, np.ndarray) and p.dtype == np.float32 and p.ndim == 1 for p in pieces)
-    assert all(o.payload["sample_rate"] == PIPER_RATE for o in talker)
-    return np.concatenate(pieces)
+    return talker_pcm(outputs, PIPER_RATE)
 
 
 def test_first_audio_arrives_before_the_text_stream_ends(tts: Pipeline, tmp_path: Path) -> None:
     text = TEXTS[0]
-    gate = tmp_path / "gate"
-    # NOTE: the thinker holds its stream open after " like" (delta 5) until the test has heard audio,
-    # which "Good morning," (complete at delta 3, " I") allows; a talker that waited for the end of
-    # the text would leave the gate shut until its timeout and fail the ordering check below.
-    assert text_deltas(text)[3:6] == [" I", " would", " like"]
-    params = {"gate_path": str(gate), "gate_after": 6, "gate_timeout_s": 20.0}
-
-    async def go() -> list[TerminalOutput]:
-        got = []
-        async for out in tts.coordinator.submit({"text": text}, params):
-            got.append(out)
-            if out.stage == "talker":
-                gate.touch()
-        return got
-
-    outputs = tts.run(go())
-    order = [(o.stage, o.is_final) for o in outputs]
-    assert order.index(("talker", False)) < order.index(("thinker", True))
-    assert outputs[-1].is_final and {o.stage for o in outputs if o.is_final} == {"thinker", "talker"}
-    assert next(o for o in outputs if o.stage == "thinker" and o.is_final).payload["text"] == text
+    # NOTE: "Good morning," is complete at delta 3 (" I"): its audio opens the gate.
+    outputs = gated_reply(tts, text, tmp_path, held=[" I", " would", " like"])
     pcm = pcm_of(outputs)
     assert next(o for o in outputs if o.stage == "talker" and o.is_final).payload == {
         "num_samples": pcm.size, "num_clauses": 2}
-    assert not any("text" in o.payload for o in outputs if o.stage == "talker")
     assert word_error_rate(text, transcribe(pcm, PIPER_RATE)) <= 0.35
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from harness import Pipeline, shm_segments
 from speech_text import transcribe, word_error_rate
-from text_stages import text_deltas
+from talker_checks import gated_reply, talker_pipeline
+from talker_checks import pcm_of as talker_pcm
 
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.coordinator import RequestError
@@ -35,55 +36,23 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tts() -> Iterator[Pipeline]:
-    cfg = pipeline_from_dict({
-        "name": "tts",
-        "stages": [
-            {"name": "thinker", "factory": "text_stages:create_scripted_text", "scheduler": "ar",
-             "terminal": True, "stream_to": ["talker"], "memory_fraction": 0.01, "max_batch_size": 4},
-            {"name": "talker", "factory": "voice_server.stages.tts:create_tts", "terminal": True,
-             "memory_fraction": 0.01, "max_batch_size": 4, "factory_args": {"num_threads": 1}},
-        ],
-    })
-    pipeline = Pipeline(cfg)
+    pipeline = talker_pipeline("tts")
     yield pipeline
     pipeline.close()
     assert shm_segments(pipeline.coordinator.launch_id) == []
 
 
 def pcm_of(outputs: list[TerminalOutput]) -> np.ndarray:
-    pieces = [o.payload["pcm"] for o in outputs if o.stage == "talker" and not o.is_final]
-    assert pieces and all(isinstance(p, np.ndarray) and p.dtype == np.float32 and p.ndim == 1 for p in pieces)
-    assert all(o.payload["sample_rate"] == SAMPLE_RATE for o in outputs if o.stage == "talker" and not o.is_final)
-    return np.concatenate(pieces)
+    return talker_pcm(outputs, SAMPLE_RATE)
 
 
 def test_first_audio_arrives_before_the_text_stream_ends(tts: Pipeline, tmp_path: Path) -> None:
     text = TEXTS[0]
-    gate = tmp_path / "gate"
-    # NOTE: the thinker holds its stream open after " you" (delta 5) until the test has heard audio,
-    # which "Hello there," (complete at delta 3, " how") allows; a talker that waited for the end of
-    # the text would leave the gate shut until its timeout and fail the ordering check below.
-    assert text_deltas(text)[3:6] == [" how", " are", " you"]
-    params = {"gate_path": str(gate), "gate_after": 6, "gate_timeout_s": 20.0}
-
-    async def go() -> list[TerminalOutput]:
-        got = []
-        async for out in tts.coordinator.submit({"text": text}, params):
-            got.append(out)
-            if out.stage == "talker":
-                gate.touch()
-        return got
-
-    outputs = tts.run(go())
-    order = [(o.stage, o.is_final) for o in outputs]
-    first_audio = order.index(("talker", False))
-    assert first_audio < order.index(("thinker", True))
-    assert outputs[-1].is_final and {o.stage for o in outputs if o.is_final} == {"thinker", "talker"}
-    assert next(o for o in outputs if o.stage == "thinker" and o.is_final).payload["text"] == text
+    # NOTE: "Hello there," is complete at delta 3 (" how"): its audio opens the gate.
+    outputs = gated_reply(tts, text, tmp_path, held=[" how", " are", " you"])
     talker_result = next(o for o in outputs if o.stage == "talker" and o.is_final).payload
     pcm = pcm_of(outputs)
     assert talker_result == {"num_samples": pcm.size, "num_clauses": 3}
-    assert not any("text" in o.payload for o in outputs if o.stage == "talker")
     assert word_error_rate(text, transcribe(pcm, SAMPLE_RATE)) <= 0.35
 
 

@@ -19,8 +19,10 @@ pytest.importorskip("piper", reason="the `piper` extra: pip install -e '.[dev,pi
 
 import piper.download_voices  # noqa: E402
 from speech_text import transcribe, word_error_rate  # noqa: E402
+from talker_checks import emitted_pcm, run, stream_items  # noqa: E402
+from talker_checks import stage_ctx as talker_ctx  # noqa: E402
 
-from voice_server.config import PipelineConfig, StageConfig, load_pipeline  # noqa: E402
+from voice_server.config import load_pipeline  # noqa: E402
 from voice_server.config.errors import ConfigError  # noqa: E402
 from voice_server.engine.runtime import StageContext  # noqa: E402
 from voice_server.runners.synthesizers import PIPER_RATE, PiperSynthesizer  # noqa: E402
@@ -36,13 +38,6 @@ DELTAS = ["Good", " morning", ",", " I", " would", " like", " to", " book", " a"
           " tonight", "."]
 
 
-def stage_ctx(device: str = "cpu", phases: list[str] | None = None, **factory_args: Any) -> StageContext:
-    stage = StageConfig("talker", "voice_server.stages.tts:create_tts", terminal=True, device=device,
-                        factory_args={"engine": "piper", **factory_args})
-    report = phases.append if phases is not None else None
-    return StageContext(stage, PipelineConfig(name="t", stages=(stage,)), None, "test", report)
-
-
 @pytest.fixture(scope="module")
 def runner() -> Iterator[TTSRunner]:
     with pytest.MonkeyPatch.context() as patch:
@@ -54,27 +49,6 @@ def runner() -> Iterator[TTSRunner]:
         patch.setattr(urllib.request, "urlopen", no_download)
         made = create_tts(stage_ctx())
         yield made
-
-
-def run(runner: TTSRunner, *items: WorkItem) -> list[Emit]:
-    """Admit and execute each item in its own batch, as a stage with max_batch_size 1 would."""
-    emits: list[Emit] = []
-    for item in items:
-        emits.extend(runner.execute(SimpleBatch((runner.admit(item),))).emits)
-    return emits
-
-
-def stream_items(rid: str, deltas: list[str]) -> list[WorkItem]:
-    return [WorkItem(rid, WorkKind.NEW, is_stream=True),
-            *(WorkItem(rid, WorkKind.CHUNK, {"token_ids": [i], "text": d}, seq=i) for i, d in enumerate(deltas)),
-            WorkItem(rid, WorkKind.DONE, seq=len(deltas))]
-
-
-def pcm_of(emits: list[Emit]) -> np.ndarray:
-    pieces = [e.payload["pcm"] for e in emits if e.kind is EmitKind.STREAM]
-    assert all(p.dtype == np.float32 and p.ndim == 1 and p.size for p in pieces)
-    assert all(e.payload["sample_rate"] == PIPER_RATE for e in emits if e.kind is EmitKind.STREAM)
-    return np.concatenate(pieces)
 
 
 def test_a_clause_is_spoken_as_soon_as_the_text_completing_it_arrives(runner: TTSRunner) -> None:
@@ -175,3 +149,11 @@ def test_default_piper_config_is_the_default_with_the_piper_talker() -> None:
     with_engine = tuple(dataclasses.replace(s, factory_args=dict(s.factory_args, engine="hibari"))
                         if s.name == "talker" else s for s in default.stages)
     assert piper_cfg.name == "embedded-cpu-piper" and as_default == with_engine
+
+
+def pcm_of(emits: list[Emit]) -> np.ndarray:
+    return emitted_pcm(emits, PIPER_RATE)
+
+
+def stage_ctx(device: str = "cpu", phases: list[str] | None = None, **factory_args: Any) -> StageContext:
+    return talker_ctx(device, phases, **{"engine": "piper", **factory_args})

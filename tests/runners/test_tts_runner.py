@@ -13,10 +13,9 @@ import hibari.voices
 import numpy as np
 import pytest
 from speech_text import transcribe, word_error_rate
+from talker_checks import emitted_pcm, run, stage_ctx, stream_items
 
-from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import ConfigError
-from voice_server.engine.runtime import StageContext
 from voice_server.runners.clauses import ClauseRules
 from voice_server.runners.synthesizers import HIBARI_RATE as SAMPLE_RATE
 from voice_server.runners.tts_runner import TTSRunner, TTSRunnerConfig
@@ -26,13 +25,6 @@ from voice_server.stages.tts import create_tts
 TEXT = "Hello there, how are you today? I hope the weather is nice where you are."
 DELTAS = ["Hello", " there", ",", " how", " are", " you", " today", "?", " I", " hope", " the", " weather", " is",
           " nice", " where", " you", " are", "."]
-
-
-def stage_ctx(device: str = "cpu", phases: list[str] | None = None, **factory_args: Any) -> StageContext:
-    stage = StageConfig("talker", "voice_server.stages.tts:create_tts", terminal=True, device=device,
-                        factory_args=factory_args)
-    report = phases.append if phases is not None else None
-    return StageContext(stage, PipelineConfig(name="t", stages=(stage,)), None, "test", report)
 
 
 @pytest.fixture(scope="module")
@@ -45,27 +37,6 @@ def runner() -> Iterator[TTSRunner]:
         patch.setattr(hibari.tts, "voice_path", no_download)
         patch.setattr(hibari.voices, "download", no_download)
         yield create_tts(stage_ctx())
-
-
-def run(runner: TTSRunner, *items: WorkItem) -> list[Emit]:
-    """Admit and execute each item in its own batch, as a stage with max_batch_size 1 would."""
-    emits: list[Emit] = []
-    for item in items:
-        emits.extend(runner.execute(SimpleBatch((runner.admit(item),))).emits)
-    return emits
-
-
-def stream_items(rid: str, deltas: list[str]) -> list[WorkItem]:
-    return [WorkItem(rid, WorkKind.NEW, is_stream=True),
-            *(WorkItem(rid, WorkKind.CHUNK, {"token_ids": [i], "text": d}, seq=i) for i, d in enumerate(deltas)),
-            WorkItem(rid, WorkKind.DONE, seq=len(deltas))]
-
-
-def pcm_of(emits: list[Emit]) -> np.ndarray:
-    pieces = [e.payload["pcm"] for e in emits if e.kind is EmitKind.STREAM]
-    assert all(p.dtype == np.float32 and p.ndim == 1 and p.size for p in pieces)
-    assert all(e.payload["sample_rate"] == SAMPLE_RATE for e in emits if e.kind is EmitKind.STREAM)
-    return np.concatenate(pieces)
 
 
 def test_a_clause_is_spoken_as_soon_as_the_text_completing_it_arrives(runner: TTSRunner) -> None:
@@ -200,3 +171,7 @@ def test_word_error_rate() -> None:
     assert word_error_rate("one two three four", "one too three") == 0.5
     assert word_error_rate("one two", "one two three four") == 1.0
     assert word_error_rate("", "") == 0.0 and word_error_rate("", "noise") == 1.0
+
+
+def pcm_of(emits: list[Emit]) -> np.ndarray:
+    return emitted_pcm(emits, SAMPLE_RATE)
