@@ -9,17 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
+from asr_checks import HISTORY, MAX_WER, run, runner_over
 from speech_text import SENTENCES, chunks, speech, word_error_rate
 
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.asr_decoders import DecoderPool
-from voice_server.runners.asr_runner import AsrRunner, AsrRunnerConfig
-from voice_server.scheduling import AdmissionError, CapacityError, Emit, EmitKind, SimpleBatch, WorkItem, WorkKind
+from voice_server.runners.asr_runner import AsrRunner
+from voice_server.scheduling import AdmissionError, CapacityError, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
-
-HISTORY = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hi"},
-           {"role": "assistant", "content": "Hello."}]
-MAX_WER = 0.35
 
 
 @pytest.fixture(scope="module")
@@ -32,20 +29,7 @@ def pool() -> DecoderPool:
 
 @pytest.fixture
 def runner(pool: DecoderPool) -> Iterator[AsrRunner]:
-    runner = AsrRunner(pool, AsrRunnerConfig(max_audio_seconds=10.0))
-    yield runner
-    for request_id in list(runner._requests):  # NOTE: a failed test must not keep decoders from the next
-        runner.release(request_id)
-    assert pool.num_free == pool.num_decoders
-
-
-def run(runner: AsrRunner, items: list[WorkItem]) -> list[Emit]:
-    """Admit then execute `items` as one batch; release the requests that left (as the shell does)."""
-    emits = list(runner.execute(SimpleBatch(tuple(runner.admit(i) for i in items))).emits)
-    for emit in emits:
-        if emit.is_final:
-            runner.release(emit.request_id)
-    return emits
+    yield from runner_over(pool)
 
 
 def new_stream(rid: str, messages: list[dict[str, Any]] | None = None) -> WorkItem:

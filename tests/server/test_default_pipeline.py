@@ -92,10 +92,16 @@ def heard(pcm16: bytes, rate: int) -> str:
     return transcribe(pcm16_from_bytes(pcm16).astype(np.float32) / 32768.0, rate)
 
 
-def test_a_spoken_question_gets_a_spoken_answer_over_ws(default: SessionServer) -> None:
-    ws = connect(f"ws://127.0.0.1:{default.port}/ws", open_timeout=5, max_size=None)
+def open_session(port: int) -> ClientConnection:
+    """A `/ws` session at 16 kHz in, 24 kHz out, with server VAD."""
+    ws = connect(f"ws://127.0.0.1:{port}/ws", open_timeout=5, max_size=None)
     ws.send(json.dumps({"type": "session.start", "input_rate": ASR_RATE, "output_rate": 24000}))
     assert json.loads(ws.recv(10))["type"] == "session.started"
+    return ws
+
+
+def test_a_spoken_question_gets_a_spoken_answer_over_ws(default: SessionServer) -> None:
+    ws = open_session(default.port)
     turn = speak(ws, QUESTION)
     kinds = [e["type"] for e in turn.events]
     done = turn.events[-1]

@@ -4,16 +4,20 @@ transcripts), and gets an on-topic spoken answer, heard as its transcript says."
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from harness import Pipeline
 from session_server import SessionServer, serve
-from speech_text import ASR_RATE, word_error_rate
-from test_default_pipeline import MAX_WER, QUESTION, heard, speak  # NOTE: one spoken-turn driver for both profiles
-from websockets.sync.client import connect
+from speech_text import word_error_rate
+from test_default_pipeline import (  # NOTE: one spoken-turn driver for both profiles
+    MAX_WER,
+    QUESTION,
+    heard,
+    open_session,
+    speak,
+)
 
 from voice_server.config.loading import load_pipeline
 
@@ -26,9 +30,7 @@ def whisper() -> Iterator[SessionServer]:
 
 
 def test_a_spoken_question_is_transcribed_at_its_end_and_answered(whisper: SessionServer) -> None:
-    ws = connect(f"ws://127.0.0.1:{whisper.port}/ws", open_timeout=5, max_size=None)
-    ws.send(json.dumps({"type": "session.start", "input_rate": ASR_RATE, "output_rate": 24000}))
-    assert json.loads(ws.recv(10))["type"] == "session.started"
+    ws = open_session(whisper.port)
     turn = speak(ws, QUESTION)
     kinds = [e["type"] for e in turn.events]
     done = turn.events[-1]
