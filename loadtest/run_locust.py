@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -68,6 +69,9 @@ def main() -> None:
     csv.parent.mkdir(parents=True, exist_ok=True)
     if not (HERE / "utterances").exists() and not any(a.startswith("--utterances") for a in extra):
         subprocess.run([sys.executable, str(HERE / "make_utterances.py")], check=True)
+    # NOTE: a SIGTERM (a killed `make loadtest`) must still stop the server this script started: the
+    # default handler would exit without running the `finally` below and orphan it with its stages.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     proc, url = None, args.url
     if not url:
         proc, port = start_server(ROOT / config)
