@@ -77,3 +77,14 @@ faults-long: install
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
+
+# NOTE: 8 sessions talk to `voice-server serve` for 10 minutes; RSS, fds and /dev/shm segments of every
+# process must stay flat after warm-up (loadtest/soak.py; a 30 s version runs in `make test`).
+.PHONY: soak fuzz-long
+soak: install
+	OMP_NUM_THREADS=1 $(PY) loadtest/soak.py --duration 600 --sessions 8 --config $(CONFIG)
+
+# NOTE: the fuzz tests with 20x the examples `make test` runs (tests/fuzz_values.py reads the variable).
+fuzz-long: install
+	VOICE_SERVER_FUZZ_EXAMPLES=3000 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:cacheprovider \
+		tests/fuzz tests/server/test_fuzz_server.py

@@ -150,8 +150,10 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(
             f"{path}: not UTF-8 text: byte 0x{data[exc.start]:02x} at line {line}; save the file as UTF-8"
         ) from exc
-    loader = StrictLoader(text)
+    loader: StrictLoader | None = None
     try:
+        # NOTE: inside the try: the reader refuses control characters (ReaderError) already when built.
+        loader = StrictLoader(text)
         return loader.get_single_data()
     except yaml.YAMLError as exc:
         kind = "" if isinstance(exc, RefusedYAML) else "invalid YAML: "
@@ -159,7 +161,8 @@ def read_yaml(path: Path) -> Any:
     except RecursionError as exc:  # NOTE: MAX_DEPTH should prevent this; a safety net, not a path
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from exc
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _mapping(raw: Any, where: str, known: tuple[str, ...]) -> dict[str, Any]:

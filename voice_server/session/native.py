@@ -139,7 +139,8 @@ class NativeConnection:
             if first["type"] == "websocket.disconnect":
                 return
             config = read_start(json.loads(first.get("text") or "null"))
-        except (asyncio.TimeoutError, ValueError, TypeError) as exc:
+        # NOTE: RecursionError: json.loads of deeply nested text ("[[[[...") exhausts the recursion limit.
+        except (asyncio.TimeoutError, ValueError, TypeError, RecursionError) as exc:
             self.metrics.protocol_error("invalid_session_start")
             await self.guard.close(CLOSE_POLICY, str(exc)[:120], label="invalid_session_start")
             return
@@ -174,7 +175,7 @@ class NativeConnection:
     async def _on_control(self, session: Session, text: str) -> None:
         try:
             message = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # NOTE: RecursionError: "[[[[..." nested past the limit
             await self.error("invalid_json", "a text frame must be a JSON object")
             return
         kind = message.get("type") if isinstance(message, dict) else None

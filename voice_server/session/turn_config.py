@@ -71,8 +71,10 @@ class TurnDetectionConfig:
 
     def __post_init__(self) -> None:
         threshold = self.threshold
-        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not math.isfinite(threshold):
-            raise _error("threshold", f"must be a number in [0, 1], got {threshold!r}")
+        # NOTE: isfinite only for floats: a huge JSON integer would overflow the conversion (OverflowError).
+        if isinstance(threshold, bool) or not isinstance(threshold, int | float) or (
+                isinstance(threshold, float) and not math.isfinite(threshold)):
+            raise _error("threshold", f"must be a number in [0, 1], got {threshold!r:.40}")
         if not 0.0 <= threshold <= 1.0:
             raise _error("threshold", f"must be in [0, 1], got {threshold}")
         # NOTE: JSON may carry 0 or 1 as integers; store a float so equal settings compare equal.

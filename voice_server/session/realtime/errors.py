@@ -184,10 +184,16 @@ def as_int(value: object, param: str, *, minimum: int | None = None, maximum: in
 def as_float(value: object, param: str, *, minimum: float | None = None, maximum: float | None = None) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise invalid_type(param, "a number", value)
-    if not math.isfinite(value):
+    # NOTE: JSON integers are unbounded and math.isfinite/float() overflow past ~1e308: such an
+    # integer is out of any range a float field has, so it is refused here rather than raised.
+    try:
+        number = float(value)
+    except OverflowError:
+        raise invalid_value(param, "is too large.") from None
+    if not math.isfinite(number):
         raise invalid_value(param, "must be finite.")
     _check_range(value, param, minimum, maximum)
-    return float(value)
+    return number
 
 
 def as_choice(value: object, param: str, choices: tuple[str, ...]) -> str:

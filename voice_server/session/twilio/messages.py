@@ -144,6 +144,9 @@ def _parse_start(msg: dict[str, Any], seq: int, stream_sid: str) -> TwilioStart:
     if media_format != (TWILIO_ENCODING, TWILIO_SAMPLE_RATE, TWILIO_NUM_CHANNELS):
         raise _Invalid(f"unsupported media format {media_format!r:.80}", CLOSE_UNSUPPORTED_DATA)
     tracks = tuple(_get(start, "tracks", list, "start.start"))
+    # NOTE: before the set below: a JSON object or array among the tracks is unhashable (TypeError).
+    if not all(isinstance(track, str) for track in tracks):
+        raise _Invalid("start.tracks must be a list of strings")
     if len(set(tracks)) != len(tracks):
         raise _Invalid("start.tracks lists a track twice")
     return TwilioStart(
