@@ -78,7 +78,7 @@ faults-long: install
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache
 
-# NOTE: 8 sessions talk to `voice-server serve` for 10 minutes; RSS, fds and /dev/shm segments of every
+# NOTE: 8 sessions talk to `voice-server serve` for 10 minutes; private memory, fds and /dev/shm segments of every
 # process must stay flat after warm-up (loadtest/soak.py; a 30 s version runs in `make test`).
 .PHONY: soak fuzz-long
 soak: install
