@@ -16,6 +16,7 @@ Usage: OMP_NUM_THREADS=1 python loadtest/bench_sessions.py [--config configs/qwe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -42,15 +43,18 @@ PARAMS = {"sampling": {"max_tokens": 16, "ignore_eos": True}, "talker": {"max_fr
 STAGES = ("encoder", "thinker", "talker", "code2wav", "first_audio_sent")
 
 
-def start_server(config: Path) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(config: Path, log_path: Path | None = None) -> tuple[subprocess.Popen[bytes], int]:
+    """`voice-server serve` on a free port of 127.0.0.1, once healthy; its log (stderr) to `log_path`
+    if given (the benchmarks' own terminal otherwise)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
-    proc = subprocess.Popen([sys.executable, "-m", "voice_server.cli", "serve", "--config", str(config),
-                             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
+    with open(log_path, "wb") if log_path is not None else contextlib.nullcontext() as log:
+        proc = subprocess.Popen([sys.executable, "-m", "voice_server.cli", "serve", "--config", str(config),
+                                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+                                cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
                 if resp.status == 200:
@@ -59,7 +63,8 @@ def start_server(config: Path) -> tuple[subprocess.Popen[bytes], int]:
             pass
         time.sleep(0.2)
     proc.kill()
-    raise RuntimeError("the server did not become healthy")
+    tail = log_path.read_text(errors="replace")[-2000:] if log_path is not None else ""
+    raise RuntimeError(f"the server did not become healthy {tail}")
 
 
 def one_turn(port: int, seed: int) -> dict[str, Any]:

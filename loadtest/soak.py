@@ -21,13 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +32,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_sessions import start_server  # noqa: E402
 from bench_turns import FRAME, QUESTIONS, RATE, synthesize  # noqa: E402
 from soak_probe import Probe, summarize  # noqa: E402
 from table import cpu_description, format_table  # noqa: E402
@@ -119,28 +117,6 @@ class Talker:
             elif event["type"] == "response_done":
                 done["status"] = event["status"]
                 done["event"].set()
-
-
-def start_server(config: Path, log_path: Path) -> tuple[subprocess.Popen[bytes], int]:
-    """`voice-server serve` on a free port, its log (stderr) to `log_path` for the traceback check."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "voice_server.cli", "serve", "--config", str(config),
-                                 "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                                cwd=ROOT, env=dict(os.environ), stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc, port
-        except OSError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"the server did not become healthy: {log_path.read_text(errors='replace')[-2000:]}")
 
 
 def soak(config: Path, duration_s: float, num_sessions: int, warmup_s: float, sample_s: float,

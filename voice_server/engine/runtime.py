@@ -4,13 +4,13 @@ shell needs to route outputs (open downstream streams, relay slots held per requ
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.checks import resolve_factory
-from voice_server.config.errors import show
+from voice_server.config.errors import fail, quoted, show
 from voice_server.relay.shm import ShmRef
 from voice_server.scheduling import SCHEDULER_BUILDERS, AnyRunner, AnyScheduler, Runner
 
@@ -30,6 +30,15 @@ class StageContext:
     @property
     def args(self) -> dict[str, Any]:
         return self.stage.factory_args
+
+    def known_args(self, known: Sequence[str]) -> dict[str, Any]:
+        """A copy of `factory_args`, refused with a ConfigError naming the first key not in `known`
+        (a typo in a config must not be silently ignored)."""
+        unknown = sorted(str(k) for k in self.args if k not in known)
+        if unknown:
+            raise fail(f"stage {quoted(self.stage.name)}", f"factory_args.{unknown[0]}",
+                       f"unknown key; known: {', '.join(known)}")
+        return dict(self.args)
 
     def progress(self, phase: str) -> None:
         """The factory's current startup step ("loading weights", "warming up"): logged, and shown

@@ -51,10 +51,7 @@ def create_asr(ctx: StageContext) -> AsrRunner:
         raise fail(where, "scheduler", f"the asr stage runs under 'simple', got {show(stage.scheduler)}")
     if stage.device != "cpu":
         raise fail(where, "device", f"the asr engines run on the CPU only, got {show(stage.device)}")
-    args = dict(ctx.args)
-    unknown = sorted(str(k) for k in args if k not in FACTORY_ARGS)
-    if unknown:
-        raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(FACTORY_ARGS)}")
+    args = ctx.known_args(FACTORY_ARGS)
     engine = args.get("engine", "pocketsphinx")
     if engine not in ENGINES:
         raise fail(where, "factory_args.engine", f"must be one of {', '.join(ENGINES)}, got {show(engine)}")

@@ -60,10 +60,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "auto")
 def create_llm(ctx: StageContext) -> DecoderRunner:
     stage = ctx.stage
     where = f"stage {quoted(stage.name)}"
-    args = dict(ctx.args)
-    unknown = sorted(str(k) for k in args if k not in FACTORY_ARGS)
-    if unknown:
-        raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(FACTORY_ARGS)}")
+    args = ctx.known_args(FACTORY_ARGS)
     dtype_name = _choice(where, args, "dtype", DTYPES, "auto")
     dtype = (default_dtype() if stage.device == "cpu" else torch.bfloat16) if dtype_name == "auto" \
         else resolve_dtype(dtype_name)

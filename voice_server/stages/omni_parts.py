@@ -83,11 +83,7 @@ def read_omni_args(ctx: StageContext, own_keys: tuple[str, ...] = ()) -> OmniArg
     """Check the common keys (and that no unknown key is given), set the thread count, read the config."""
     stage = ctx.stage
     where = f"stage {quoted(stage.name)}"
-    args = dict(ctx.args)
-    known = COMMON_ARGS + own_keys
-    unknown = sorted(str(k) for k in args if k not in known)
-    if unknown:
-        raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(known)}")
+    args = ctx.known_args(COMMON_ARGS + own_keys)
     checkpoint, preset = args.get("checkpoint"), args.get("preset")
     if (checkpoint is None) == (preset is None):
         raise fail(where, "factory_args.checkpoint", "give exactly one of `checkpoint` (a directory) and `preset`")

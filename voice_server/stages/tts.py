@@ -44,10 +44,7 @@ ENGINES: dict[str, tuple[str, str, Callable[[str, int], Synthesizer]]] = {
 def create_tts(ctx: StageContext) -> TTSRunner:
     stage = ctx.stage
     where = f"stage {quoted(stage.name)}"
-    args = dict(ctx.args)
-    unknown = sorted(str(k) for k in args if k not in FACTORY_ARGS)
-    if unknown:
-        raise fail(where, f"factory_args.{unknown[0]}", f"unknown key; known: {', '.join(FACTORY_ARGS)}")
+    args = ctx.known_args(FACTORY_ARGS)
     engine = args.get("engine", "hibari")
     if not isinstance(engine, str) or engine not in ENGINES:
         raise fail(where, "factory_args.engine", f"must be one of {', '.join(ENGINES)}, got {show(engine)}")
