@@ -46,8 +46,9 @@ _LIST_NUMBER = re.compile(r"(?:^|\n)\s*\d{1,3}$")
 """`1.` opening a line numbers a list item; it does not end one."""
 _URL = re.compile(r"(?:https?://|ftp://|www\.)\S*?(?=[.,;:!?)\]\"']*(?:\s|$))", re.IGNORECASE)
 _MARKDOWN_LINK = re.compile(r"\[([^\]]*)\]\([^)]*\)")
-_LINE_MARKUP = re.compile(r"^\s*(?:#{1,6}|>|[-+•])\s+")
-"""Headings, quotes and list bullets at the start of a clause: read the text, not the mark."""
+_LINE_MARKUP = re.compile(r"^\s*(?:(?:#{1,6}|>|[-+•])\s+)+")
+"""Headings, quotes and list bullets at the start of a clause (nested ones too: "> - item"): read the
+text, not the marks."""
 _INLINE_MARKUP = re.compile(r"[*_`~\\\[\]{}|]+")
 _SPACE_BEFORE_MARK = re.compile(r"\s+([,.;:!?…])")
 _KEPT_SYMBOLS = frozenset("°")
@@ -159,8 +160,9 @@ def speakable(text: str) -> str:
     nothing speakable (a letter or digit) is left."""
     text = _MARKDOWN_LINK.sub(r"\1", text)
     text = _URL.sub(" ", text)
-    text = _LINE_MARKUP.sub("", text)
+    # NOTE: inline marks first: "-**bold**" is a bullet only once its stars are gone ("- bold").
     text = _INLINE_MARKUP.sub(" ", text)
+    text = _LINE_MARKUP.sub("", text)
     text = "".join(c for c in text if _is_kept(c))
     text = _SPACE_BEFORE_MARK.sub(r"\1", " ".join(text.split()))
     return text if any(c.isalnum() for c in text) else ""
