@@ -84,7 +84,8 @@ clean:
 soak: install
 	OMP_NUM_THREADS=1 $(PY) loadtest/soak.py --duration 600 --sessions 8 --config $(CONFIG)
 
-# NOTE: the fuzz tests with 20x the examples `make test` runs (tests/fuzz_values.py reads the variable).
+# NOTE: the fuzz tests with 20x the examples `make test` runs (tests/fuzz_values.py reads the variable),
+# drawing new inputs each run (`make test` draws the same ones every time: tests/conftest.py).
 fuzz-long: install
-	VOICE_SERVER_FUZZ_EXAMPLES=3000 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q -p no:cacheprovider \
-		tests/fuzz tests/server/test_fuzz_server.py
+	VOICE_SERVER_HYPOTHESIS=explore VOICE_SERVER_FUZZ_EXAMPLES=3000 OMP_NUM_THREADS=1 $(VENV)/bin/pytest -q \
+		-p no:cacheprovider tests/fuzz tests/server/test_fuzz_server.py tests/runners/test_clauses.py
