@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler, pcm16_to_float32
-from voice_server.engine.requests import RequestError
+from voice_server.engine.requests import RequestError, RequestStream
 from voice_server.session.config import SessionConfig
 from voice_server.session.conversation import SPEECH_RATE, Conversation, Item, new_id
 from voice_server.session.events import (
@@ -51,7 +51,7 @@ MAX_BUFFER_S = 120
 class Session:
     def __init__(self, coordinator: Any, config: SessionConfig, emit: Emit) -> None:
         self.coordinator, self.config, self.emit = coordinator, config, emit
-        self.is_stream_input = bool(getattr(getattr(coordinator, "cfg", None), "stream_input", False))
+        self.is_stream_input = bool(coordinator.cfg.stream_input)
         """The pipeline transcribes turns as they are spoken (see the module docstring)."""
         self._turn: OpenTurn | None = None
         self.conversation = Conversation()
@@ -257,7 +257,7 @@ class Session:
         if item is not None and item.role == "user":
             item.text = transcript
 
-    async def _respond_to(self, run: ResponseRun, stream: Any) -> None:
+    async def _respond_to(self, run: ResponseRun, stream: RequestStream) -> None:
         error = await run.consume(stream)
         if run.started_at == 0.0:
             return  # NOTE: the turn was dropped before its response started: nothing to report

@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_float32
-from voice_server.engine.requests import RequestError, TerminalOutput
+from voice_server.engine.requests import InputStream, RequestError, RequestStream, TerminalOutput
 from voice_server.session.conversation import Item
 from voice_server.session.events import (
     AudioDelta,
@@ -67,7 +67,7 @@ class ResponseRun:
     def start(self) -> None:
         self.started_at = time.monotonic()
 
-    async def consume(self, stream: Any) -> str:
+    async def consume(self, stream: RequestStream) -> str:
         """Stream an already submitted request's outputs (`RequestStream`); '' or the error message."""
         try:
             async for output in stream:
@@ -151,8 +151,8 @@ class OpenTurn:
     """A spoken turn whose request is open while the user speaks (`stream_input` pipelines)."""
 
     run: ResponseRun
-    input: Any
-    """The request's `InputStream`: `send(payload)`, `end()`."""
+    input: InputStream
+    """The request's input: `send(payload)`, `end()`."""
     task: asyncio.Task[None]
     resampler: StreamResampler | None
     """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
