@@ -58,8 +58,8 @@ class Peer:
     async def receive(self) -> dict[str, Any] | None:
         """The page's next message: JSON as sent, an audio frame as {"type": "(audio)"} (its size recorded);
         None once the page closed the socket."""
-        # NOTE: wait_for rather than asyncio.timeout, which Python 3.10 lacks.
-        message = await asyncio.wait_for(self.ws.receive(), STEP_TIMEOUT_S)
+        async with asyncio.timeout(STEP_TIMEOUT_S):
+            message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
             return None
         if message.get("bytes") is not None:

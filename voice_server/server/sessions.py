@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -68,7 +67,8 @@ class SessionGate:
             self.metrics.session_refused(endpoint, label)
             log.info("refused a %s session (%s): %s", endpoint, label, reason)
             with contextlib.suppress(*_SEND_ERRORS):
-                await asyncio.wait_for(websocket.close(code, reason=reason), _CLOSE_WAIT_S)
+                async with asyncio.timeout(_CLOSE_WAIT_S):
+                    await websocket.close(code, reason=reason)
             return None
         guard = SessionGuard(self, websocket, endpoint)
         self.guards.add(guard)
@@ -113,8 +113,9 @@ class SessionGuard:
         if not self.is_open:
             return {"type": "websocket.disconnect", "code": CLOSE_NORMAL}
         try:
-            message = await asyncio.wait_for(self.websocket.receive(), self.gate.limits.idle_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.gate.limits.idle_timeout_s):
+                message = await self.websocket.receive()
+        except TimeoutError:
             await self.close(CLOSE_NORMAL, f"idle timeout: no message for {self.gate.limits.idle_timeout_s:g} s",
                              label="idle")
             return {"type": "websocket.disconnect", "code": CLOSE_NORMAL}
@@ -140,12 +141,9 @@ class SessionGuard:
             # NOTE: a timeout scope, not `wait_for`: wait_for runs the send in a task of its own, and the
             # ASGI sends of one connection must stay in order in the caller's task (a send still pending
             # in its own task after a cancel could race the next one).
-            if sys.version_info >= (3, 11):
-                async with asyncio.timeout(timeout_s):
-                    await self.websocket.send(message)
-            else:  # pragma: no cover - Python 3.10
-                await asyncio.wait_for(self.websocket.send(message), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self.websocket.send(message)
+        except TimeoutError:
             # NOTE: a close frame would queue behind the unread data, so the connection is dropped.
             self._drop(f"client too slow: a send waited more than {timeout_s:g} s", "slow_client")
             return False
@@ -165,8 +163,9 @@ class SessionGuard:
         if self.websocket.application_state is WebSocketState.DISCONNECTED:
             return
         try:
-            await asyncio.wait_for(self.websocket.close(code, reason=reason[:120]), _CLOSE_WAIT_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(_CLOSE_WAIT_S):
+                await self.websocket.close(code, reason=reason[:120])
+        except TimeoutError:
             _abort_transport(self.websocket)
         except _SEND_ERRORS:
             pass
@@ -188,7 +187,8 @@ class SessionGuard:
             self.is_open = False
             if self.websocket.application_state is not WebSocketState.DISCONNECTED:
                 with contextlib.suppress(asyncio.TimeoutError, *_SEND_ERRORS):
-                    await asyncio.wait_for(self.websocket.close(CLOSE_NORMAL), _CLOSE_WAIT_S)
+                    async with asyncio.timeout(_CLOSE_WAIT_S):
+                        await self.websocket.close(CLOSE_NORMAL)
 
 
 ABORT_SCOPE_KEY = "voice_server.abort"

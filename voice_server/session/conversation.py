@@ -60,6 +60,12 @@ class Conversation:
     def get(self, item_id: str) -> Item | None:
         return next((item for item in self.items if item.item_id == item_id), None)
 
+    def set_transcript(self, item_id: str, transcript: str) -> None:
+        """A spoken user item's transcript (from a transcribing pipeline); no-op if it is gone."""
+        item = self.get(item_id)
+        if item is not None and item.role == "user":
+            item.text = transcript
+
     def delete(self, item_id: str) -> bool:
         item = self.get(item_id)
         if item is not None:

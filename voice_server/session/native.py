@@ -135,12 +135,13 @@ class NativeConnection:
 
     async def serve(self, coordinator: Any) -> None:
         try:
-            first = await asyncio.wait_for(self.guard.receive(), START_TIMEOUT_S)
+            async with asyncio.timeout(START_TIMEOUT_S):
+                first = await self.guard.receive()
             if first["type"] == "websocket.disconnect":
                 return
             config = read_start(json.loads(first.get("text") or "null"))
         # NOTE: RecursionError: json.loads of deeply nested text ("[[[[...") exhausts the recursion limit.
-        except (asyncio.TimeoutError, ValueError, TypeError, RecursionError) as exc:
+        except (TimeoutError, ValueError, TypeError, RecursionError) as exc:
             self.metrics.protocol_error("invalid_session_start")
             await self.guard.close(CLOSE_POLICY, str(exc)[:120], label="invalid_session_start")
             return

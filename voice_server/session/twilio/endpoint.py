@@ -119,8 +119,9 @@ class TwilioConnection:
 
     async def serve(self, coordinator: Any) -> None:
         try:
-            start = await asyncio.wait_for(self._receive_start(), START_TIMEOUT_S)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                start = await self._receive_start()
+        except TimeoutError:
             await self._close(CLOSE_POLICY_VIOLATION, "no start message")
             return
         if start is None:
