@@ -29,7 +29,7 @@ from voice_server.models.qwen3_omni.loading import Part, load_part
 from voice_server.models.qwen3_omni.presets import tiny_config_dict
 
 COMMON_ARGS = ("checkpoint", "preset", "seed", "dtype", "num_threads")
-PRESETS = ("tiny", "released")
+PRESETS = ("tiny", "tiny-full-rate", "released")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -76,7 +76,8 @@ def preset_config(preset: str) -> Qwen3OmniConfig:
     if preset == "released":
         # NOTE: the defaults are the released 30B-A3B sizes and ids (`models/qwen3_omni/config.py`).
         return Qwen3OmniConfig()
-    return Qwen3OmniConfig.from_hf_dict(tiny_config_dict(), where="preset tiny")
+    return Qwen3OmniConfig.from_hf_dict(tiny_config_dict(is_full_rate=preset == "tiny-full-rate"),
+                                        where=f"preset {preset}")
 
 
 def read_omni_args(ctx: StageContext, own_keys: tuple[str, ...] = ()) -> OmniArgs:

@@ -66,16 +66,23 @@ def test_config_from_hf_dict_and_validation() -> None:
         Code2WavConfig(decoder_dim=100)
 
 
-def test_parity_with_transformers() -> None:
-    hf = hf_code2wav(TINY, seed=0)
-    ours = Code2Wav(Code2WavConfig.from_hf_dict(TINY)).eval()
+# NOTE: the released vocoder's upsampling (1,920 samples per frame, as in the `tiny-full-rate` preset)
+# on tiny widths: four decoder blocks instead of two.
+FULL_RATE: dict[str, Any] = {**TINY, "upsample_rates": [8, 5, 4, 3], "upsampling_ratios": [2, 2]}
+
+
+@pytest.mark.parametrize("d", [TINY, FULL_RATE], ids=["tiny", "full-rate"])
+def test_parity_with_transformers(d: dict[str, Any]) -> None:
+    hf = hf_code2wav(d, seed=0)
+    ours = Code2Wav(Code2WavConfig.from_hf_dict(d)).eval()
+    upsample = ours.cfg.total_upsample
     hf_sd = hf.state_dict()
     assert set(ours.state_dict()) == set(hf_sd)
     ours.load_state_dict(hf_sd, strict=True)
     codes = torch.randint(0, 32, (2, 4, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref, out = hf(codes), ours(codes)
-    assert out.shape == ref.shape == (2, 1, 40 * 12 - lookahead_samples(ours.cfg))
+    assert out.shape == ref.shape == (2, 1, 40 * upsample - lookahead_samples(ours.cfg))
     # The clamp to [-1, 1] must not hide the signal, else the comparison is vacuous.
     assert (ref.abs() < 1).float().mean() > 0.5 and ref.std() > 0.05
     err = (out - ref).abs().max().item()
@@ -85,7 +92,7 @@ def test_parity_with_transformers() -> None:
     # chunks); our decode_chunk does not (test_code2wav_streaming.py).
     with torch.no_grad():
         chunked = hf.chunked_decode(codes, chunk_size=10, left_context_size=5)
-    assert chunked.shape[-1] == 40 * 12 - 4 * lookahead_samples(ours.cfg)
+    assert chunked.shape[-1] == 40 * upsample - 4 * lookahead_samples(ours.cfg)
 
 
 def test_meta_construction_has_no_buffers() -> None:

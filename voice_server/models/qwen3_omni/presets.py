@@ -32,8 +32,13 @@ _THINKER_HIDDEN, _TALKER_HIDDEN = 32, 16
 _MROPE = {"mrope_section": [2, 1, 1], "rope_type": "default", "interleaved": True, "rope_theta": 1e6}
 
 
-def tiny_config_dict() -> dict[str, Any]:
-    """A fresh dict each call (callers may edit it)."""
+def tiny_config_dict(is_full_rate: bool = False) -> dict[str, Any]:
+    """A fresh dict each call (callers may edit it).
+
+    `is_full_rate`: the vocoder upsamples like the released one (1,920 samples per frame, 80 ms at 24 kHz)
+    instead of 8 samples per frame, so a reply is as long in audio as the released model's for as many
+    frames: what a load test's playback and underrun figures need (at 8 samples per frame 50 frames are
+    17 ms of audio, and any player starves). Only the vocoder's upsampling layers differ."""
     ids = TINY_IDS
     multimodal_ids = {
         "audio_token_id": ids["audio"], "image_token_id": ids["image"], "video_token_id": ids["video"],
@@ -89,7 +94,8 @@ def tiny_config_dict() -> dict[str, Any]:
     code2wav = {
         "codebook_size": TINY_CODEBOOK, "num_quantizers": TINY_NUM_CODE_GROUPS, "hidden_size": 16,
         "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-        "sliding_window": 8, "decoder_dim": 16, "upsample_rates": [2, 2], "upsampling_ratios": [2],
+        "sliding_window": 8, "decoder_dim": 16,
+        "upsample_rates": [8, 5, 4, 3] if is_full_rate else [2, 2], "upsampling_ratios": [2, 2] if is_full_rate else [2],
         "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
     }
     return {
