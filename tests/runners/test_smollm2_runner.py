@@ -3,6 +3,7 @@ cache, the same ids alone / batched / chunked, seeded sampling independent of th
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -13,7 +14,8 @@ from reference_greedy import greedy_contiguous
 from voice_server.models.llama import load_gguf_with_tokenizer
 from voice_server.models.llama.loader import find_smollm2_gguf
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
-from voice_server.scheduling import WorkItem, WorkKind
+from voice_server.runners.admission import MAX_MESSAGES, MAX_PAYLOAD_MESSAGES, admit
+from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
 
 torch.set_num_threads(1)
@@ -110,3 +112,32 @@ def test_create_llm_default_stage(loaded: Any) -> None:
     item = runner.admit(WorkItem("r", WorkKind.NEW, {"prompt": "Hello"}, {"sampling": {"top_p": 0.5}}))
     assert item.payload == {"token_ids": loaded[1].encode("Hello")}
     assert (item.params["sampling"]["temperature"], item.params["sampling"]["top_p"]) == (0.6, 0.5)
+
+
+def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(runner: DecoderRunner) -> None:
+    rules = dataclasses.replace(runner.rules, max_model_len=512)
+    encode_chat = rules.encode_chat
+    assert encode_chat is not None
+    system = {"role": "system", "content": "You are a helpful voice assistant. Answer in one short sentence."}
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"Turn {i}: {QUESTIONS[i % 8]}"}
+             for i in range(301)]
+    messages = [system, *turns]
+    params = {"sampling": {"max_tokens": 60}}
+    ids = admit(WorkItem("r", WorkKind.NEW, {"messages": messages}, params), rules).payload["token_ids"]
+    # The newest turns that leave room for the reply, the system message first; one more would not fit.
+    kept = next(k for k in range(1, len(turns)) if encode_chat([system, *turns[-k:]]) == ids)
+    assert len(ids) <= 512 - 60 < len(encode_chat([system, *turns[-kept - 1:]]))
+    assert kept >= 10
+    # More than MAX_MESSAGES short messages keep the newest MAX_MESSAGES (with the system message).
+    many = [system, *({"role": "user", "content": "hi"} for _ in range(400))]
+    roomy = dataclasses.replace(runner.rules, max_model_len=8192)
+    ids = admit(WorkItem("r", WorkKind.NEW, {"messages": many}, params), roomy).payload["token_ids"]
+    assert ids == encode_chat(many[:1] + many[-(MAX_MESSAGES - 1):])
+    # A short conversation is untouched; a last message too long on its own is still refused.
+    assert admit(WorkItem("r", WorkKind.NEW, {"messages": messages[:3]}, params), rules).payload["token_ids"] == \
+        encode_chat(messages[:3])
+    with pytest.raises(AdmissionError, match="payload.messages: .* tokens, more than the 511"):
+        admit(WorkItem("r", WorkKind.NEW, {"messages": [*messages[:5], {"role": "user", "content": "word " * 600}]},
+                       params), rules)
+    with pytest.raises(AdmissionError, match=f"at most {MAX_PAYLOAD_MESSAGES}"):
+        admit(WorkItem("r", WorkKind.NEW, {"messages": many * 11}, params), rules)

@@ -1,7 +1,8 @@
 """Checking and converting an AR stage's request input into token ids (the runner's `admit`).
 
 NEW payloads: `{"messages": [{"role", "content"}, ...]}` (chat template with generation prompt; an
-`input_transcript` beside them, from the asr stage, is ignored),
+`input_transcript` beside them, from the asr stage, is ignored; a conversation too long for the model
+loses its oldest turns, see `fit_messages`),
 `{"prompt": str}` or `{"token_ids": [int, ...]}`; an empty payload only for a streamed request
 (its input arrives as CHUNKs). CHUNK payloads: `{"text": str}` or `{"token_ids": [...]}`.
 Every refusal is an `AdmissionError` naming the offending field.
@@ -19,6 +20,9 @@ from voice_server.scheduling.contract import SamplingParams
 
 ROLES = ("system", "user", "assistant")
 MAX_MESSAGES = 256
+"""Messages a prompt keeps at most (the newest; a leading system message stays)."""
+MAX_PAYLOAD_MESSAGES = 4096
+"""Messages a payload may bring at all (a guard on the work of checking it)."""
 _TRANSCRIPT_KEYS = ("input_transcript",)
 """What a transcribing stage before this one (asr) adds to its `messages` result for the client; the
 messages already end with that text, so it is ignored here."""
@@ -59,7 +63,7 @@ def admit(item: WorkItem, rules: AdmissionRules) -> WorkItem:
         params = merged_sampling_params(item.params, rules.sampling_defaults)
         if not payload and item.is_stream:
             return dataclasses.replace(item, payload={"token_ids": []}, params=params)
-        token_ids = _new_token_ids(payload, rules)
+        token_ids = _new_token_ids(payload, rules, params["sampling"]["max_tokens"])
     else:
         token_ids = _chunk_token_ids(payload, rules)
     return dataclasses.replace(item, payload={"token_ids": token_ids}, params=params)
@@ -76,7 +80,7 @@ def merged_sampling_params(params: dict[str, Any], defaults: SamplingParams) -> 
     return {**params, "sampling": dataclasses.asdict(sampling)}
 
 
-def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules) -> list[int]:
+def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules, max_tokens: int | None) -> list[int]:
     keys = [k for k in ("messages", "prompt", "token_ids") if k in payload]
     if len(keys) != 1:
         raise AdmissionError("payload: needs exactly one of 'messages', 'prompt', 'token_ids'")
@@ -90,10 +94,10 @@ def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules) -> list[int]:
     elif key == "prompt":
         ids = _encode_text("payload.prompt", payload[key], rules)
     else:
-        messages = _check_messages(payload[key], rules)
+        messages = _check_messages(payload[key])
         if rules.encode_chat is None:
             raise AdmissionError("payload.messages: this stage has no chat template; send token_ids")
-        ids = rules.encode_chat(messages)
+        ids = fit_messages(messages, rules, max_tokens)
         _check_len("payload.messages", len(ids), rules)
     if not ids:
         raise AdmissionError(f"payload.{key}: gives no tokens")
@@ -131,13 +135,51 @@ def _encode_text(where: str, value: Any, rules: AdmissionRules) -> list[int]:
     return ids
 
 
-def _check_messages(value: Any, rules: AdmissionRules) -> list[dict[str, str]]:
+def fit_messages(messages: list[dict[str, str]], rules: AdmissionRules, max_tokens: int | None) -> list[int]:
+    """The chat ids of the newest messages that fit: a long conversation (a call of hundreds of turns)
+    loses its oldest messages, never a leading system message, rather than every response failing once
+    it outgrows the model (what OpenAI Realtime's `truncation: auto` does).
+
+    Fits means: at most `MAX_MESSAGES` messages, the characters bound of `_encode_text`, and a prompt that
+    leaves room for `max_tokens` (at most half the context) of reply. The last message is always kept:
+    if it alone is too long, `_check_len` refuses the request as before."""
+    assert rules.encode_chat is not None
+    system = messages[:1] if messages[0]["role"] == "system" else []
+    turns = messages[len(system):]
+    char_budget = rules.max_input_len * _MAX_CHARS_PER_TOKEN
+    # NOTE: count and characters first (cheap), so a huge payload is never tokenised whole.
+    first = max(0, len(turns) - (MAX_MESSAGES - len(system)))
+    num_chars = sum(len(m["content"]) for m in system + turns[first:])
+    while first < len(turns) - 1 and num_chars > char_budget:
+        num_chars -= len(turns[first]["content"])
+        first += 1
+    if num_chars > char_budget:
+        raise AdmissionError(f"payload.messages: {num_chars} characters is too long")
+    reserve = min(max_tokens or 1, rules.max_model_len // 2)
+    token_budget = max(1, min(rules.max_input_len, rules.max_model_len - reserve))
+    ids = rules.encode_chat(system + turns[first:])
+    if len(ids) <= token_budget or first == len(turns) - 1:
+        return ids
+    # NOTE: the fewest dropped messages that fit, by bisection (a chat template need not be additive per
+    # message, so each candidate is encoded whole); `hi` always fits or is the last message alone.
+    lo, hi = first, len(turns) - 1
+    best = rules.encode_chat(system + turns[hi:])
+    while lo + 1 < hi:
+        mid = (lo + hi) // 2
+        candidate = rules.encode_chat(system + turns[mid:])
+        if len(candidate) <= token_budget:
+            hi, best = mid, candidate
+        else:
+            lo = mid
+    return best
+
+
+def _check_messages(value: Any) -> list[dict[str, str]]:
     if not isinstance(value, list | tuple) or not value:
         raise AdmissionError("payload.messages: must be a non-empty list of {role, content}")
-    if len(value) > MAX_MESSAGES:
-        raise AdmissionError(f"payload.messages: {len(value)} messages, at most {MAX_MESSAGES}")
+    if len(value) > MAX_PAYLOAD_MESSAGES:
+        raise AdmissionError(f"payload.messages: {len(value)} messages, at most {MAX_PAYLOAD_MESSAGES}")
     messages = []
-    total = 0
     for i, message in enumerate(value):
         where = f"payload.messages[{i}]"
         if not isinstance(message, dict) or set(message) != {"role", "content"}:
@@ -147,10 +189,7 @@ def _check_messages(value: Any, rules: AdmissionRules) -> list[dict[str, str]]:
             raise AdmissionError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
         if not isinstance(content, str):
             raise AdmissionError(f"{where}.content: must be a string, got {type(content).__name__}")
-        total += len(content)
         messages.append({"role": role, "content": content})
-    if total > rules.max_input_len * _MAX_CHARS_PER_TOKEN:
-        raise AdmissionError(f"payload.messages: {total} characters is too long")
     return messages
 
 

@@ -95,7 +95,8 @@ def tiny_config_dict(is_full_rate: bool = False) -> dict[str, Any]:
         "codebook_size": TINY_CODEBOOK, "num_quantizers": TINY_NUM_CODE_GROUPS, "hidden_size": 16,
         "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
         "sliding_window": 8, "decoder_dim": 16,
-        "upsample_rates": [8, 5, 4, 3] if is_full_rate else [2, 2], "upsampling_ratios": [2, 2] if is_full_rate else [2],
+        "upsample_rates": [8, 5, 4, 3] if is_full_rate else [2, 2],
+        "upsampling_ratios": [2, 2] if is_full_rate else [2],
         "max_position_embeddings": 512, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
     }
     return {
