@@ -1,0 +1,66 @@
+"""Our C++ CPU kernels as torch custom ops (`torch.ops.voice_server.*`), compiled on first use.
+
+`block_a8.cpp` (one translation unit) is built by `torch.utils.cpp_extension.load` into torch's
+extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), not the repository;
+later processes load the cached library (rebuilt only when the source or flags change). The kernels
+pick their vector path (AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
+
+Without a compiler or ninja, or with `VOICE_SERVER_NO_KERNELS=1`, `available()` is False after one
+logged warning and callers use torch's own kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "VOICE_SERVER_NO_KERNELS"
+_NAME = "voice_server_kernels"
+_SOURCES = (Path(__file__).with_name("block_a8.cpp"),)
+# NOTE: no FMA contraction: a fused multiply-add the compiler picks in one loop and not in another
+# would make a row's bits depend on which code path computed it.
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno")
+IMPLS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
+"""`impl` argument of the ops: which vector path (auto: the best the CPU has)."""
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """True once the ops are registered (built or loaded from the cache in this process)."""
+    if os.environ.get(DISABLE_ENV) == "1":
+        log.info("%s=1: C++ kernels off, torch's own kernels instead", DISABLE_ENV)
+        return False
+    if hasattr(torch.ops.voice_server, "block_a8_linear"):
+        return True
+    start = time.perf_counter()
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(
+            name=_NAME,
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=list(_CFLAGS),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build or load failure means "use torch's kernels"
+        log.warning("C++ kernels unavailable (%s: %s); using torch's own kernels", type(exc).__name__,
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return False
+    log.info("C++ kernels ready in %.1f s (impl %d)", time.perf_counter() - start, best_impl())
+    return True
+
+
+def best_impl() -> int:
+    """The vector path the kernels use on this CPU (a value of `IMPLS`)."""
+    return int(torch.ops.voice_server.best_impl())
+
+
+__all__ = ["DISABLE_ENV", "IMPLS", "available", "best_impl"]
