@@ -37,13 +37,18 @@ enum Impl : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
 int64_t block_bytes(int64_t bits) { return bits == 4 ? 320 : 544; }
 
-// Quantised activations: per row m and block b, q (int8), scale sx = max|x| / 127, the block sum
-// of q, and sx * sum (the Q4_1 min term's factor).
+// Quantised activations: per row m and block b, q (int8, two planes of K values per row), the
+// block's scale s, the block sum of its combined q, s * sum (the Q4_1 min term's factor) and whether
+// it has a second plane. One plane: x ~ s * q1 with s = max|x| / 127 (llama.cpp's Q8_1). Two planes,
+// for blocks with an outlier (max|x| > crest * mean|x|), ~16-bit activations for int8 dot products:
+// x ~ s * (256 * q1 + q2) with s = max|x| / 127 / 256 and q2 the rounded remainder. A block's choice
+// depends on its own values only, so rows stay independent of each other.
 struct Acts {
   const int8_t* q;
   const float* scale;
   const float* scaled_sum;
   const int32_t* sum;
+  const uint8_t* is_two_plane;
   int64_t k;
   int64_t num_blocks;
 };
@@ -70,28 +75,57 @@ inline int32_t load_i32(const int8_t* p) {
 // Activation quantisation (same q bits on every path: x * (127 / amax) rounded half to even)
 // ------------------------------------------------------------------------------------------------
 
-void finish_block(const int32_t* qi, float amax, int8_t* q, float* scale, float* scaled_sum, int32_t* sum) {
+// NOTE: one scalar sum order on every path, so every path makes the same choice.
+bool wants_second_plane(const float* x, float amax, float crest) {
+  if (crest < 0.0f) return false;
+  float sum_abs = 0.0f;
+  for (int j = 0; j < kBlock; ++j) sum_abs += std::fabs(x[j]);
+  return amax * static_cast<float>(kBlock) > crest * sum_abs;
+}
+
+// q1 (and q2) of a block from its rounded values q1 and remainders frac = x * id - q1.
+void finish_block(const int32_t* q1, const float* frac, float amax, bool is_two_plane, int64_t k, int8_t* q,
+                  float* scale, float* scaled_sum, int32_t* sum) {
   int32_t s = 0;
   for (int j = 0; j < kBlock; ++j) {
-    q[j] = static_cast<int8_t>(qi[j]);
-    s += qi[j];
+    q[j] = static_cast<int8_t>(q1[j]);
+    s += q1[j];
   }
-  const float d = amax / 127.0f;
+  float d = amax / 127.0f;
+  if (is_two_plane) {
+    int32_t s2 = 0;
+    for (int j = 0; j < kBlock; ++j) {
+      // NOTE: a remainder of exactly +-0.5 would be +-128: clamped (an error of 1/256 of a step).
+      const int32_t v = std::min(127, std::max(-127, static_cast<int32_t>(std::nearbyint(frac[j] * 256.0f))));
+      q[k + j] = static_cast<int8_t>(v);
+      s2 += v;
+    }
+    s = 256 * s + s2;
+    d = d / 256.0f;
+  }
   *scale = d;
   *sum = s;
   *scaled_sum = d * static_cast<float>(s);
 }
 
-void quantize_block_scalar(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* sum) {
+void quantize_block_scalar(const float* x, float crest, int64_t k, int8_t* q, float* scale, float* scaled_sum,
+                           int32_t* sum, uint8_t* is_two_plane) {
   float amax = 0.0f;
   for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-  int32_t qi[kBlock];
-  for (int j = 0; j < kBlock; ++j) qi[j] = static_cast<int32_t>(std::nearbyint(x[j] * id));
-  finish_block(qi, amax, q, scale, scaled_sum, sum);
+  int32_t q1[kBlock];
+  float frac[kBlock];
+  for (int j = 0; j < kBlock; ++j) {
+    const float v = x[j] * id;
+    q1[j] = static_cast<int32_t>(std::nearbyint(v));
+    frac[j] = v - static_cast<float>(q1[j]);
+  }
+  *is_two_plane = wants_second_plane(x, amax, crest);
+  finish_block(q1, frac, amax, *is_two_plane, k, q, scale, scaled_sum, sum);
 }
 
-VS_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* sum) {
+VS_AVX2 void quantize_block_avx2(const float* x, float crest, int64_t k, int8_t* q, float* scale, float* scaled_sum,
+                                 int32_t* sum, uint8_t* is_two_plane) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 amax8 = _mm256_setzero_ps();
@@ -104,19 +138,35 @@ VS_AVX2 void quantize_block_avx2(const float* x, int8_t* q, float* scale, float*
   float amax = 0.0f;
   for (float l : lanes) amax = std::max(amax, l);
   const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  int32_t qi[kBlock];
+  int32_t q1[kBlock];
+  float frac[kBlock];
   for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qi + 8 * i), _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id)));
+    const __m256 scaled = _mm256_mul_ps(v[i], id);
+    const __m256i r = _mm256_cvtps_epi32(scaled);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q1 + 8 * i), r);
+    _mm256_storeu_ps(frac + 8 * i, _mm256_sub_ps(scaled, _mm256_cvtepi32_ps(r)));
   }
-  finish_block(qi, amax, q, scale, scaled_sum, sum);
+  *is_two_plane = wants_second_plane(x, amax, crest);
+  finish_block(q1, frac, amax, *is_two_plane, k, q, scale, scaled_sum, sum);
 }
 
-VS_AVX512 void quantize_block_avx512(const float* x, int8_t* q, float* scale, float* scaled_sum, int32_t* sum) {
+VS_AVX512 void quantize_block_avx512(const float* x, float crest, int64_t k, int8_t* q, float* scale,
+                                    float* scaled_sum, int32_t* sum, uint8_t* is_two_plane) {
   const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-  const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, id));
-  const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, id));
+  const __m512 vlo = _mm512_mul_ps(lo, id), vhi = _mm512_mul_ps(hi, id);
+  const __m512i qlo = _mm512_cvtps_epi32(vlo), qhi = _mm512_cvtps_epi32(vhi);
+  *is_two_plane = wants_second_plane(x, amax, crest);
+  if (*is_two_plane) {
+    int32_t q1[kBlock];
+    float frac[kBlock];
+    _mm512_storeu_si512(q1, qlo);
+    _mm512_storeu_si512(q1 + 16, qhi);
+    _mm512_storeu_ps(frac, _mm512_sub_ps(vlo, _mm512_cvtepi32_ps(qlo)));
+    _mm512_storeu_ps(frac + 16, _mm512_sub_ps(vhi, _mm512_cvtepi32_ps(qhi)));
+    return finish_block(q1, frac, amax, true, k, q, scale, scaled_sum, sum);
+  }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
   const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
@@ -139,10 +189,11 @@ void tile_scalar(const uint8_t* w, const Acts& a, int64_t row0, int rows, const 
     float acc_d[kTile] = {}, acc_m[kTile] = {};
     for (int64_t b = 0; b < a.num_blocks; ++b) {
       const uint8_t* blk = w + b * bb;
-      const int8_t* qa = a.q + m * a.k + b * kBlock;
+      const int8_t* qa = a.q + 2 * m * a.k + b * kBlock;
       const float sx = a.scale[m * a.num_blocks + b];
+      const bool is_two_plane = a.is_two_plane[m * a.num_blocks + b];
       for (int c = 0; c < kTile; ++c) {
-        int32_t dot = 0;
+        int32_t dot = 0, dot2 = 0;
         for (int g = 0; g < 8; ++g) {
           for (int j = 0; j < 4; ++j) {
             int32_t wq;
@@ -153,8 +204,10 @@ void tile_scalar(const uint8_t* w, const Acts& a, int64_t row0, int rows, const 
               wq = static_cast<int32_t>(blk[64 * g + 4 * c + j]) - 128;
             }
             dot += wq * qa[4 * g + j];
+            dot2 += wq * qa[a.k + 4 * g + j];
           }
         }
+        if (is_two_plane) dot = 256 * dot + dot2;
         const float d = half_to_float(blk + (Bits == 4 ? 256 : 512) + 2 * c);
         acc_d[c] = std::fma(static_cast<float>(dot), d * sx, acc_d[c]);
         if (Bits == 4) {
@@ -198,13 +251,20 @@ VS_AVX512 void tile_avx512(const uint8_t* w, const Acts& a, int64_t row0, const 
     if (Bits == 4) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     for (int r = 0; r < Rows; ++r) {
       const int64_t m = row0 + r;
-      const int8_t* qa = a.q + m * a.k + b * kBlock;
+      const int8_t* qa = a.q + 2 * m * a.k + b * kBlock;
       // NOTE: four independent chains, summed in a fixed tree: the dependency on one chain of 8
-      // vpdpbusd would bound a single row's speed.
+      // vpdpbusd would bound a single row's speed. A second plane continues each chain after x256.
       __m512i p[4];
       for (int i = 0; i < 4; ++i) {
         p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[i], _mm512_set1_epi32(load_i32(qa + 4 * i)));
         p[i] = _mm512_dpbusd_epi32(p[i], wv[i + 4], _mm512_set1_epi32(load_i32(qa + 4 * (i + 4))));
+      }
+      if (a.is_two_plane[m * a.num_blocks + b]) {
+        for (int i = 0; i < 4; ++i) {
+          p[i] = _mm512_slli_epi32(p[i], 8);
+          p[i] = _mm512_dpbusd_epi32(p[i], wv[i], _mm512_set1_epi32(load_i32(qa + a.k + 4 * i)));
+          p[i] = _mm512_dpbusd_epi32(p[i], wv[i + 4], _mm512_set1_epi32(load_i32(qa + a.k + 4 * (i + 4))));
+        }
       }
       __m512i dot = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
       const float sx = a.scale[m * a.num_blocks + b];
@@ -259,10 +319,16 @@ VS_AVX2 void tile_avx2(const uint8_t* w, const Acts& a, int64_t row0, const Out&
       if (Bits == 4) mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
       for (int r = 0; r < Rows; ++r) {
         const int64_t m = row0 + r;
-        const int8_t* qa = a.q + m * a.k + b * kBlock;
+        const int8_t* qa = a.q + 2 * m * a.k + b * kBlock;
+        const bool is_two_plane = a.is_two_plane[m * a.num_blocks + b];
         __m256i p[4];
         for (int i = 0; i < 4; ++i) {
           p[i] = _mm256_add_epi32(dot4_avx2<Bits>(wv[i], qa + 4 * i, ones), dot4_avx2<Bits>(wv[i + 4], qa + 4 * (i + 4), ones));
+          if (is_two_plane) {
+            const __m256i lo = _mm256_add_epi32(dot4_avx2<Bits>(wv[i], qa + a.k + 4 * i, ones),
+                                                dot4_avx2<Bits>(wv[i + 4], qa + a.k + 4 * (i + 4), ones));
+            p[i] = _mm256_add_epi32(_mm256_slli_epi32(p[i], 8), lo);
+          }
         }
         const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
         const float sx = a.scale[m * a.num_blocks + b];
@@ -321,7 +387,7 @@ void run_rows(Impl impl, const uint8_t* w, const Acts& a, int64_t row0, int rows
 }
 
 at::Tensor block_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_t weight_bits,
-                           const std::optional<at::Tensor>& bias, int64_t impl_id) {
+                           const std::optional<at::Tensor>& bias, double crest, int64_t impl_id) {
   TORCH_CHECK(weight_bits == 4 || weight_bits == 8, "weight_bits must be 4 or 8, got ", weight_bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous fp32 [M, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.is_contiguous(),
@@ -339,10 +405,13 @@ at::Tensor block_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   const Impl impl = resolve_impl(impl_id);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  at::Tensor q = at::empty({m, k}, x.options().dtype(at::kChar));
+  at::Tensor q = at::empty({m, 2 * k}, x.options().dtype(at::kChar));
   at::Tensor scale = at::empty({m, num_blocks}, x.options());
   at::Tensor scaled_sum = at::empty({m, num_blocks}, x.options());
   at::Tensor sum = at::empty({m, num_blocks}, x.options().dtype(at::kInt));
+  at::Tensor is_two_plane = at::empty({m, num_blocks}, x.options().dtype(at::kByte));
+  uint8_t* tp = is_two_plane.data_ptr<uint8_t>();
+  const float crest_f = static_cast<float>(crest);
   const float* xp = x.data_ptr<float>();
   int8_t* qp = q.data_ptr<int8_t>();
   float *sp = scale.data_ptr<float>(), *ssp = scaled_sum.data_ptr<float>();
@@ -351,13 +420,13 @@ at::Tensor block_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_
     for (int64_t i = begin; i < end; ++i) {
       const int64_t row = i / num_blocks, b = i % num_blocks;
       const float* xb = xp + row * k + b * kBlock;
-      int8_t* qb = qp + row * k + b * kBlock;
-      if (impl == kAvx512) quantize_block_avx512(xb, qb, sp + i, ssp + i, sump + i);
-      else if (impl == kAvx2) quantize_block_avx2(xb, qb, sp + i, ssp + i, sump + i);
-      else quantize_block_scalar(xb, qb, sp + i, ssp + i, sump + i);
+      int8_t* qb = qp + 2 * row * k + b * kBlock;
+      if (impl == kAvx512) quantize_block_avx512(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, tp + i);
+      else if (impl == kAvx2) quantize_block_avx2(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, tp + i);
+      else quantize_block_scalar(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, tp + i);
     }
   });
-  const Acts acts{qp, sp, ssp, sump, k, num_blocks};
+  const Acts acts{qp, sp, ssp, sump, tp, k, num_blocks};
   const Out out{y.data_ptr<float>(), n, bias_ptr};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = num_blocks * block_bytes(weight_bits);
@@ -382,7 +451,8 @@ int64_t best_impl() { return host_impl(); }
 }  // namespace
 
 TORCH_LIBRARY(voice_server, m) {
-  m.def("block_a8_linear(Tensor x, Tensor packed, int weight_bits, Tensor? bias=None, int impl=0) -> Tensor");
+  m.def("block_a8_linear(Tensor x, Tensor packed, int weight_bits, Tensor? bias=None, float crest=-1.0, "
+        "int impl=0) -> Tensor");
   m.def("best_impl() -> int", &best_impl);
 }
 
