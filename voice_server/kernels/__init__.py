@@ -1,6 +1,7 @@
 """Our C++ CPU kernels as torch custom ops (`torch.ops.voice_server.*`), compiled on first use.
 
-`block_a8.cpp` (one translation unit) is built by `torch.utils.cpp_extension.load` into torch's
+`block_a8.cpp` (block-quantised linears) and `paged_attention.cpp` (decode attention over the paged
+KV cache) are built by `torch.utils.cpp_extension.load` into torch's
 extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), not the repository;
 later processes load the cached library (rebuilt only when the source or flags change). The kernels
 pick their vector path (AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "VOICE_SERVER_NO_KERNELS"
 _NAME = "voice_server_kernels"
-_SOURCES = (Path(__file__).with_name("block_a8.cpp"),)
+_SOURCES = (Path(__file__).with_name("block_a8.cpp"), Path(__file__).with_name("paged_attention.cpp"))
 # NOTE: no FMA contraction: a fused multiply-add the compiler picks in one loop and not in another
 # would make a row's bits depend on which code path computed it.
 _CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno")
