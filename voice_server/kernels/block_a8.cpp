@@ -38,16 +38,17 @@ enum Impl : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 int64_t block_bytes(int64_t bits) { return bits == 4 ? 320 : 544; }
 
 // Quantised activations: per row m and block b, q (int8, two planes of K values per row), the
-// block's scale s, the block sum of its combined q, s * sum (the Q4_1 min term's factor) and whether
-// it has a second plane. One plane: x ~ s * q1 with s = max|x| / 127 (llama.cpp's Q8_1). Two planes,
-// for blocks with an outlier (max|x| > crest * mean|x|), ~16-bit activations for int8 dot products:
-// x ~ s * (256 * q1 + q2) with s = max|x| / 127 / 256 and q2 the rounded remainder. A block's choice
-// depends on its own values only, so rows stay independent of each other.
+// block's scale s, the block sums of q1 and q2, the Q4_1 min term's factor s * sum1 + s / 256 * sum2
+// and whether it has a second plane. One plane: x ~ s * q1 with s = max|x| / 127 (llama.cpp's Q8_1).
+// Two planes, for blocks with an outlier (max|x| > crest * mean|x|), ~16-bit activations for int8 dot
+// products: x ~ s * q1 + s / 256 * q2, q2 the rounded remainder. A block's choice depends on its own
+// values only, so rows stay independent of each other.
 struct Acts {
   const int8_t* q;
   const float* scale;
   const float* scaled_sum;
   const int32_t* sum;
+  const int32_t* sum2;
   const uint8_t* is_two_plane;
   int64_t k;
   int64_t num_blocks;
@@ -85,31 +86,29 @@ bool wants_second_plane(const float* x, float amax, float crest) {
 
 // q1 (and q2) of a block from its rounded values q1 and remainders frac = x * id - q1.
 void finish_block(const int32_t* q1, const float* frac, float amax, bool is_two_plane, int64_t k, int8_t* q,
-                  float* scale, float* scaled_sum, int32_t* sum) {
-  int32_t s = 0;
+                  float* scale, float* scaled_sum, int32_t* sum, int32_t* sum2) {
+  int32_t s = 0, s2 = 0;
   for (int j = 0; j < kBlock; ++j) {
     q[j] = static_cast<int8_t>(q1[j]);
     s += q1[j];
   }
-  float d = amax / 127.0f;
   if (is_two_plane) {
-    int32_t s2 = 0;
     for (int j = 0; j < kBlock; ++j) {
       // NOTE: a remainder of exactly +-0.5 would be +-128: clamped (an error of 1/256 of a step).
       const int32_t v = std::min(127, std::max(-127, static_cast<int32_t>(std::nearbyint(frac[j] * 256.0f))));
       q[k + j] = static_cast<int8_t>(v);
       s2 += v;
     }
-    s = 256 * s + s2;
-    d = d / 256.0f;
   }
+  const float d = amax / 127.0f;
   *scale = d;
   *sum = s;
-  *scaled_sum = d * static_cast<float>(s);
+  *sum2 = s2;
+  *scaled_sum = d * static_cast<float>(s) + d / 256.0f * static_cast<float>(s2);
 }
 
 void quantize_block_scalar(const float* x, float crest, int64_t k, int8_t* q, float* scale, float* scaled_sum,
-                           int32_t* sum, uint8_t* is_two_plane) {
+                           int32_t* sum, int32_t* sum2, uint8_t* is_two_plane) {
   float amax = 0.0f;
   for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -121,11 +120,11 @@ void quantize_block_scalar(const float* x, float crest, int64_t k, int8_t* q, fl
     frac[j] = v - static_cast<float>(q1[j]);
   }
   *is_two_plane = wants_second_plane(x, amax, crest);
-  finish_block(q1, frac, amax, *is_two_plane, k, q, scale, scaled_sum, sum);
+  finish_block(q1, frac, amax, *is_two_plane, k, q, scale, scaled_sum, sum, sum2);
 }
 
 VS_AVX2 void quantize_block_avx2(const float* x, float crest, int64_t k, int8_t* q, float* scale, float* scaled_sum,
-                                 int32_t* sum, uint8_t* is_two_plane) {
+                                 int32_t* sum, int32_t* sum2, uint8_t* is_two_plane) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[4];
   __m256 amax8 = _mm256_setzero_ps();
@@ -147,11 +146,11 @@ VS_AVX2 void quantize_block_avx2(const float* x, float crest, int64_t k, int8_t*
     _mm256_storeu_ps(frac + 8 * i, _mm256_sub_ps(scaled, _mm256_cvtepi32_ps(r)));
   }
   *is_two_plane = wants_second_plane(x, amax, crest);
-  finish_block(q1, frac, amax, *is_two_plane, k, q, scale, scaled_sum, sum);
+  finish_block(q1, frac, amax, *is_two_plane, k, q, scale, scaled_sum, sum, sum2);
 }
 
 VS_AVX512 void quantize_block_avx512(const float* x, float crest, int64_t k, int8_t* q, float* scale,
-                                    float* scaled_sum, int32_t* sum, uint8_t* is_two_plane) {
+                                    float* scaled_sum, int32_t* sum, int32_t* sum2, uint8_t* is_two_plane) {
   const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
   const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
@@ -165,7 +164,7 @@ VS_AVX512 void quantize_block_avx512(const float* x, float crest, int64_t k, int
     _mm512_storeu_si512(q1 + 16, qhi);
     _mm512_storeu_ps(frac, _mm512_sub_ps(vlo, _mm512_cvtepi32_ps(qlo)));
     _mm512_storeu_ps(frac + 16, _mm512_sub_ps(vhi, _mm512_cvtepi32_ps(qhi)));
-    return finish_block(q1, frac, amax, true, k, q, scale, scaled_sum, sum);
+    return finish_block(q1, frac, amax, true, k, q, scale, scaled_sum, sum, sum2);
   }
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
@@ -173,12 +172,14 @@ VS_AVX512 void quantize_block_avx512(const float* x, float crest, int64_t k, int
   const float d = amax / 127.0f;
   *scale = d;
   *sum = s;
+  *sum2 = 0;
   *scaled_sum = d * static_cast<float>(s);
 }
 
 // ------------------------------------------------------------------------------------------------
-// Scalar: the reference order every vector path follows (per block: exact int dot, then
-// acc_d += dot * (d * sx), acc_m += m * (sx * sum); output acc_d + acc_m (+ bias))
+// Scalar: the reference order every vector path follows (per block: exact int dots, then
+// acc_d += dot1 * (d * s), for a second plane acc_d += dot2 * (d * (s / 256)), acc_m += m * scaled_sum;
+// output acc_d + acc_m (+ bias))
 // ------------------------------------------------------------------------------------------------
 
 template <int Bits>
@@ -207,9 +208,10 @@ void tile_scalar(const uint8_t* w, const Acts& a, int64_t row0, int rows, const 
             dot2 += wq * qa[a.k + 4 * g + j];
           }
         }
-        if (is_two_plane) dot = 256 * dot + dot2;
+
         const float d = half_to_float(blk + (Bits == 4 ? 256 : 512) + 2 * c);
         acc_d[c] = std::fma(static_cast<float>(dot), d * sx, acc_d[c]);
+        if (is_two_plane) acc_d[c] = std::fma(static_cast<float>(dot2), d * (sx * (1.0f / 256.0f)), acc_d[c]);
         if (Bits == 4) {
           const float mn = half_to_float(blk + 288 + 2 * c);
           acc_m[c] = std::fma(mn, a.scaled_sum[m * a.num_blocks + b], acc_m[c]);
@@ -227,6 +229,20 @@ void tile_scalar(const uint8_t* w, const Acts& a, int64_t row0, int rows, const 
 // ------------------------------------------------------------------------------------------------
 // AVX512-VNNI: one zmm = 16 channels x 4 K values; vpdpbusd(u8 weights, s8 activations)
 // ------------------------------------------------------------------------------------------------
+
+// One block's exact dot of 16 channels with 32 activations of one plane (8-bit weights are stored
+// + 128: minus 128 * the plane's sum). Four independent chains summed in a fixed tree: one chain of
+// 8 vpdpbusd would bound a single row's speed by their latency.
+template <int Bits>
+VS_AVX512 inline __m512i dot_avx512(const __m512i* wv, const int8_t* qa, int32_t sum) {
+  __m512i p[4];
+  for (int i = 0; i < 4; ++i) {
+    p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[i], _mm512_set1_epi32(load_i32(qa + 4 * i)));
+    p[i] = _mm512_dpbusd_epi32(p[i], wv[i + 4], _mm512_set1_epi32(load_i32(qa + 4 * (i + 4))));
+  }
+  const __m512i dot = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
+  return Bits == 8 ? _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * sum)) : dot;
+}
 
 template <int Bits, int Rows>
 VS_AVX512 void tile_avx512(const uint8_t* w, const Acts& a, int64_t row0, const Out& o, int64_t tile) {
@@ -251,26 +267,19 @@ VS_AVX512 void tile_avx512(const uint8_t* w, const Acts& a, int64_t row0, const 
     if (Bits == 4) mn = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
     for (int r = 0; r < Rows; ++r) {
       const int64_t m = row0 + r;
-      const int8_t* qa = a.q + 2 * m * a.k + b * kBlock;
-      // NOTE: four independent chains, summed in a fixed tree: the dependency on one chain of 8
-      // vpdpbusd would bound a single row's speed. A second plane continues each chain after x256.
-      __m512i p[4];
-      for (int i = 0; i < 4; ++i) {
-        p[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[i], _mm512_set1_epi32(load_i32(qa + 4 * i)));
-        p[i] = _mm512_dpbusd_epi32(p[i], wv[i + 4], _mm512_set1_epi32(load_i32(qa + 4 * (i + 4))));
-      }
-      if (a.is_two_plane[m * a.num_blocks + b]) {
-        for (int i = 0; i < 4; ++i) {
-          p[i] = _mm512_slli_epi32(p[i], 8);
-          p[i] = _mm512_dpbusd_epi32(p[i], wv[i], _mm512_set1_epi32(load_i32(qa + a.k + 4 * i)));
-          p[i] = _mm512_dpbusd_epi32(p[i], wv[i + 4], _mm512_set1_epi32(load_i32(qa + a.k + 4 * (i + 4))));
-        }
-      }
-      __m512i dot = _mm512_add_epi32(_mm512_add_epi32(p[0], p[1]), _mm512_add_epi32(p[2], p[3]));
-      const float sx = a.scale[m * a.num_blocks + b];
-      if (Bits == 8) dot = _mm512_sub_epi32(dot, _mm512_set1_epi32(128 * a.sum[m * a.num_blocks + b]));
-      acc_d[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(sx)), acc_d[r]);
-      if (Bits == 4) acc_m[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.scaled_sum[m * a.num_blocks + b]), acc_m[r]);
+      const int64_t i_mb = m * a.num_blocks + b;
+      const __m512i dot = dot_avx512<Bits>(wv, a.q + 2 * m * a.k + b * kBlock, a.sum[i_mb]);
+      acc_d[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a.scale[i_mb])), acc_d[r]);
+      if (Bits == 4) acc_m[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a.scaled_sum[i_mb]), acc_m[r]);
+    }
+    // NOTE: second planes in their own loop: a branch inside the loop above cost ~40% of its speed
+    // at 4 rows even when never taken (the rows' work no longer interleaved).
+    for (int r = 0; r < Rows; ++r) {
+      const int64_t m = row0 + r, i_mb = m * a.num_blocks + b;
+      if (!a.is_two_plane[i_mb]) continue;
+      const __m512i dot = dot_avx512<Bits>(wv, a.q + (2 * m + 1) * a.k + b * kBlock, a.sum2[i_mb]);
+      const __m512 d2 = _mm512_mul_ps(d, _mm512_set1_ps(a.scale[i_mb] * (1.0f / 256.0f)));
+      acc_d[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), d2, acc_d[r]);
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -291,6 +300,15 @@ VS_AVX2 inline __m256i dot4_avx2(__m256i w, const int8_t* qa, __m256i ones) {
   if (Bits == 4) return _mm256_madd_epi16(_mm256_maddubs_epi16(w, act), ones);
   const __m256i ws = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
   return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(act, ws)), ones);
+}
+
+template <int Bits>
+VS_AVX2 inline __m256i dot_avx2(const __m256i* wv, const int8_t* qa, __m256i ones) {
+  __m256i p[4];
+  for (int i = 0; i < 4; ++i) {
+    p[i] = _mm256_add_epi32(dot4_avx2<Bits>(wv[i], qa + 4 * i, ones), dot4_avx2<Bits>(wv[i + 4], qa + 4 * (i + 4), ones));
+  }
+  return _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
 }
 
 template <int Bits, int Rows>
@@ -319,21 +337,17 @@ VS_AVX2 void tile_avx2(const uint8_t* w, const Acts& a, int64_t row0, const Out&
       if (Bits == 4) mn = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
       for (int r = 0; r < Rows; ++r) {
         const int64_t m = row0 + r;
-        const int8_t* qa = a.q + 2 * m * a.k + b * kBlock;
-        const bool is_two_plane = a.is_two_plane[m * a.num_blocks + b];
-        __m256i p[4];
-        for (int i = 0; i < 4; ++i) {
-          p[i] = _mm256_add_epi32(dot4_avx2<Bits>(wv[i], qa + 4 * i, ones), dot4_avx2<Bits>(wv[i + 4], qa + 4 * (i + 4), ones));
-          if (is_two_plane) {
-            const __m256i lo = _mm256_add_epi32(dot4_avx2<Bits>(wv[i], qa + a.k + 4 * i, ones),
-                                                dot4_avx2<Bits>(wv[i + 4], qa + a.k + 4 * (i + 4), ones));
-            p[i] = _mm256_add_epi32(_mm256_slli_epi32(p[i], 8), lo);
-          }
-        }
-        const __m256i dot = _mm256_add_epi32(_mm256_add_epi32(p[0], p[1]), _mm256_add_epi32(p[2], p[3]));
-        const float sx = a.scale[m * a.num_blocks + b];
-        acc_d[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(sx)), acc_d[r]);
-        if (Bits == 4) acc_m[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.scaled_sum[m * a.num_blocks + b]), acc_m[r]);
+        const int64_t i_mb = m * a.num_blocks + b;
+        const __m256i dot = dot_avx2<Bits>(wv, a.q + 2 * m * a.k + b * kBlock, ones);
+        acc_d[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a.scale[i_mb])), acc_d[r]);
+        if (Bits == 4) acc_m[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.scaled_sum[i_mb]), acc_m[r]);
+      }
+      for (int r = 0; r < Rows; ++r) {
+        const int64_t m = row0 + r, i_mb = m * a.num_blocks + b;
+        if (!a.is_two_plane[i_mb]) continue;
+        const __m256i dot = dot_avx2<Bits>(wv, a.q + (2 * m + 1) * a.k + b * kBlock, ones);
+        const __m256 d2 = _mm256_mul_ps(d, _mm256_set1_ps(a.scale[i_mb] * (1.0f / 256.0f)));
+        acc_d[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), d2, acc_d[r]);
       }
     }
     for (int r = 0; r < Rows; ++r) {
@@ -409,6 +423,8 @@ at::Tensor block_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_
   at::Tensor scale = at::empty({m, num_blocks}, x.options());
   at::Tensor scaled_sum = at::empty({m, num_blocks}, x.options());
   at::Tensor sum = at::empty({m, num_blocks}, x.options().dtype(at::kInt));
+  at::Tensor sum2 = at::empty({m, num_blocks}, x.options().dtype(at::kInt));
+  int32_t* sum2p = sum2.data_ptr<int32_t>();
   at::Tensor is_two_plane = at::empty({m, num_blocks}, x.options().dtype(at::kByte));
   uint8_t* tp = is_two_plane.data_ptr<uint8_t>();
   const float crest_f = static_cast<float>(crest);
@@ -421,12 +437,12 @@ at::Tensor block_a8_linear(const at::Tensor& x, const at::Tensor& packed, int64_
       const int64_t row = i / num_blocks, b = i % num_blocks;
       const float* xb = xp + row * k + b * kBlock;
       int8_t* qb = qp + 2 * row * k + b * kBlock;
-      if (impl == kAvx512) quantize_block_avx512(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, tp + i);
-      else if (impl == kAvx2) quantize_block_avx2(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, tp + i);
-      else quantize_block_scalar(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, tp + i);
+      if (impl == kAvx512) quantize_block_avx512(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, sum2p + i, tp + i);
+      else if (impl == kAvx2) quantize_block_avx2(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, sum2p + i, tp + i);
+      else quantize_block_scalar(xb, crest_f, k, qb, sp + i, ssp + i, sump + i, sum2p + i, tp + i);
     }
   });
-  const Acts acts{qp, sp, ssp, sump, tp, k, num_blocks};
+  const Acts acts{qp, sp, ssp, sump, sum2p, tp, k, num_blocks};
   const Out out{y.data_ptr<float>(), n, bias_ptr};
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const int64_t tile_bytes = num_blocks * block_bytes(weight_bits);
