@@ -255,7 +255,7 @@ def test_quantized_dummy_via_load_llama() -> None:
 
 
 def test_policy() -> None:
-    assert default_quantization() in ("none", "int8", "int4")
+    assert default_quantization() in ("none", "int4", "w4a8")
     assert default_dtype() in (torch.float32, torch.bfloat16)
 
 

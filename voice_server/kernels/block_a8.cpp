@@ -1,6 +1,7 @@
 // Block-quantised linears for CPU decode: int4 (GGUF Q4_1) or int8 (GGUF Q8_0) weights times int8
-// activations quantised per row and per block of 32 (llama.cpp's Q8_1), integer dot products per
-// block. One translation unit, loaded by voice_server/kernels/__init__.py as torch custom ops.
+// activations quantised per row and per block of 32 (llama.cpp's Q8_1; blocks with an outlier get a
+// second int8 plane, see Acts), integer dot products per block. Loaded by
+// voice_server/kernels/__init__.py as the torch custom op voice_server::block_a8_linear.
 //
 // Packed weights [N / 16, K / 32, block_bytes] uint8: 16 output channels interleaved per block so one
 // 64-byte vector holds 4 consecutive K values of each of the 16 channels (the operand layout of
