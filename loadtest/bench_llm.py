@@ -13,7 +13,7 @@ unless `--no-invariant`) under an `ARScheduler`, driven by `runners.generate.run
   through `torch._int_mm`, lm_head included; exactly batch invariant, so the runner pads nothing.
 - ours w4a8: the Q4_1 blocks as they are times int8 activations per 32 (llama.cpp's Q4_1 x Q8_1
   math) through our C++ op, lm_head the GGUF's Q8_0 blocks times int8 activations; exactly batch
-  invariant. `--threads` repeats it per thread count like int4.
+  invariant. `--threads` repeats it per thread count like int4. `w4a8 compiled`: with `compile: true`.
 - llama.cpp: `llama_cpp.Llama(model_path=..., n_threads=...)`, fed our token ids, greedy (argmax of
   the last logits after each `eval`), 1 and 2 threads.
 
@@ -191,7 +191,7 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
         variants.append(("bf16", {"dtype": torch.bfloat16}))
     variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
                  ("int4 compiled", {"quantization": "int4"}), ("w8a8", {"quantization": "w8a8"}),
-                 ("w4a8", {"quantization": "w4a8"})]
+                 ("w4a8", {"quantization": "w4a8"}), ("w4a8 compiled", {"quantization": "w4a8"})]
     if only:
         # NOTE: fp32 stays: it is the greedy_agree reference.
         variants = [v for v in variants if v[0] == "fp32" or v[0] in only]

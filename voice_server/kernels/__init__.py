@@ -55,8 +55,27 @@ def available() -> bool:
         log.warning("C++ kernels unavailable (%s: %s); using torch's own kernels", type(exc).__name__,
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
         return False
+    _register_fakes()
     log.info("C++ kernels ready in %.1f s (impl %d)", time.perf_counter() - start, best_impl())
     return True
+
+
+def _register_fakes() -> None:
+    """Shapes of the ops' outputs for tracing (`compile: true` exports the decode step)."""
+
+    @torch.library.register_fake("voice_server::block_a8_linear")
+    def _block_a8_linear(
+        x: torch.Tensor, packed: torch.Tensor, weight_bits: int, bias: torch.Tensor | None = None,
+        crest: float = -1.0, impl: int = 0,
+    ) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+    @torch.library.register_fake("voice_server::paged_decode_attention")
+    def _paged_decode_attention(
+        q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, page_index: torch.Tensor,
+        seqs: torch.Tensor, scale: float, out: torch.Tensor, impl: int = 0,
+    ) -> None:
+        return None
 
 
 def best_impl() -> int:
