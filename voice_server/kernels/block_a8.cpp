@@ -14,7 +14,8 @@
 // and is computed by the same instruction sequence whatever the row count or the tile split across
 // threads; the dot products are exact integers and the fp32 accumulation runs over blocks in a fixed
 // order. The path (AVX512-VNNI, AVX2, scalar) is chosen once per process from cpuid.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -2,7 +2,8 @@
 // read page by page through the page table (no gather), GQA, fp32, softmax over the exact kv_len
 // keys. Each (sequence, KV head) is computed alone and in a fixed order, so a sequence's output does
 // not depend on the others in the step (batch invariant) nor on the thread count.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
