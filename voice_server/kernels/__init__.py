@@ -26,8 +26,10 @@ DISABLE_ENV = "VOICE_SERVER_NO_KERNELS"
 _NAME = "voice_server_kernels"
 _SOURCES = (Path(__file__).with_name("block_a8.cpp"), Path(__file__).with_name("paged_attention.cpp"))
 # NOTE: no FMA contraction: a fused multiply-add the compiler picks in one loop and not in another
-# would make a row's bits depend on which code path computed it.
-_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno")
+# would make a row's bits depend on which code path computed it. -fopenmp: `at::parallel_for` is
+# inline OpenMP, serial without it; compile only, not linked, so GOMP_* resolve to the libgomp torch
+# already loaded (one OpenMP runtime, torch's thread count).
+_CFLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fopenmp")
 IMPLS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3}
 """`impl` argument of the ops: which vector path (auto: the best the CPU has)."""
 
