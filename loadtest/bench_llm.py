@@ -11,6 +11,9 @@ unless `--no-invariant`) under an `ARScheduler`, driven by `runners.generate.run
   its `load_s` includes the compile at start-up). `w8a8`: int8 weights and per-row int8 activations.
 - ours w8a8: int8 weights per channel (requantised from the blocks) and int8 activations per row
   through `torch._int_mm`, lm_head included; exactly batch invariant, so the runner pads nothing.
+- ours w4a8: the Q4_1 blocks as they are times int8 activations per 32 (llama.cpp's Q4_1 x Q8_1
+  math) through our C++ op, lm_head the GGUF's Q8_0 blocks times int8 activations; exactly batch
+  invariant. `--threads` repeats it per thread count like int4. `w4a8 compiled`: with `compile: true`.
 - llama.cpp: `llama_cpp.Llama(model_path=..., n_threads=...)`, fed our token ids, greedy (argmax of
   the last logits after each `eval`), 1 and 2 threads.
 
@@ -19,8 +22,8 @@ through the scheduler, so prefill + the first greedy token); `decode_tok_s` sing
 prompt; `greedy_agree`: fraction of ids equal to ours in fp32 over the first 32 greedy tokens of 3
 short prompts; `agg_tok_s_N_streams` (`--streams 4,8`, our rows): N requests with different short
 chat prompts arriving one step apart, each generating `--tokens` tokens through the scheduler;
-all tokens emitted / wall time, their prefill included. `--threads 1,2` repeats our int4 row per
-thread count (llama.cpp always gets 1 and 2).
+all tokens emitted / wall time, their prefill included. `--threads 1,2` repeats our int4 and w4a8
+rows per thread count (llama.cpp always gets 1 and 2).
 
 Usage: OMP_NUM_THREADS=1 .venv/bin/python loadtest/bench_llm.py [--tokens 64] [--streams 4,8]
        [--threads 1,2] [--only int4] [--no-invariant]
@@ -187,7 +190,8 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
     if has_native_bf16():
         variants.append(("bf16", {"dtype": torch.bfloat16}))
     variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
-                 ("int4 compiled", {"quantization": "int4"}), ("w8a8", {"quantization": "w8a8"})]
+                 ("int4 compiled", {"quantization": "int4"}), ("w8a8", {"quantization": "w8a8"}),
+                 ("w4a8", {"quantization": "w4a8"}), ("w4a8 compiled", {"quantization": "w4a8"})]
     if only:
         # NOTE: fp32 stays: it is the greedy_agree reference.
         variants = [v for v in variants if v[0] == "fp32" or v[0] in only]
@@ -221,7 +225,7 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
         load_s = time.perf_counter() - start
         runner = make_runner(model, tokenizer, is_batch_invariant, is_compiled=weights.endswith("compiled"))
         load_s = time.perf_counter() - start  # NOTE: with the runner: a compiled one compiles at start-up
-        for n_threads in threads if weights.startswith("int4") else (1,):
+        for n_threads in threads if weights.startswith(("int4", "w4a8")) else (1,):
             torch.set_num_threads(n_threads)
             outputs = runner_greedy(runner, agree_prompts, AGREE_TOKENS)
             ttft_ms, tok_s = runner_timed_decode(runner, prompt, num_tokens)

