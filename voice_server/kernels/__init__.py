@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +45,11 @@ def available() -> bool:
     if hasattr(torch.ops.voice_server, "block_a8_linear"):
         return True
     start = time.perf_counter()
+    venv_bin = str(Path(sys.executable).parent)
+    if shutil.which("ninja") is None and shutil.which("ninja", path=venv_bin) is not None:
+        # NOTE: torch runs `ninja` from PATH; the `ninja` wheel's binary sits beside this interpreter,
+        # which is not on PATH when the venv's python is run without activating the venv (`make run`).
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
 
