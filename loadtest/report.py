@@ -5,7 +5,9 @@ runs at 1, 4, 8 and 16 users of each config), prints markdown tables (for docs/B
 (matplotlib, Agg) into `--img`:
 - `loadtest-first-audio.png`: time to first audio (p50 and p90) against concurrent users;
 - `loadtest-rtf.png`: the replies' real-time factor (generation time / audio length, median) against
-  concurrent users (below 1: audio comes faster than it plays).
+  concurrent users (below 1: audio comes faster than it plays);
+- `loadtest-processes.png`, when runs of `run_locust.py --one-process` are among them: first audio and
+  turn time against users, each stage in its own process vs every stage in one process group.
 Each figure states the command and the machine (`cpu_description()` of the runs). `--bench FILE` adds
 a benchmark script's printed tables (e.g. `loadtest/bench_turns.py > turns.txt`) under its own heading.
 
@@ -125,7 +127,38 @@ def plot(rows: list[dict[str, Any]], runs: list[dict[str, Any]], out: Path) -> l
         fig.savefig(out / filename, dpi=110)
         plt.close(fig)
         written.append(out / filename)
-    return written
+    processes = plot_processes(plt, series, runs, out)
+    return written + ([processes] if processes else [])
+
+
+ONE_PROCESS = "-one-process"
+
+
+def plot_processes(plt: Any, series: dict[tuple[str, str], list[dict[str, Any]]], runs: list[dict[str, Any]],
+                   out: Path) -> Path | None:
+    """Separate stage processes vs one process group, for every config run both ways."""
+    pairs = [(key, (key[0] + ONE_PROCESS, key[1])) for key in series if (key[0] + ONE_PROCESS, key[1]) in series]
+    if not pairs:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.2))
+    for ax, (key, label) in zip(axes, [("first_audio", "first audio"), ("turn", "turn")]):
+        for separate, together in pairs:
+            for name, points, style in ((f"{separate[0]}: a process per stage", series[separate], "-"),
+                                        (f"{separate[0]}: one process", series[together], "--")):
+                for pct in ("p50", "p90"):
+                    xy = [(p["users"], p[f"{key}_{pct}_ms"]) for p in points if p[f"{key}_{pct}_ms"] is not None]
+                    if xy:
+                        ax.plot(*zip(*xy), style, marker="o" if pct == "p50" else "s", label=f"{name} {pct}")
+        ax.set(title=f"{label} vs concurrent users", xlabel="concurrent users (sessions)", ylabel="ms")
+        ax.set_xticks(sorted({p["users"] for points in series.values() for p in points}))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6.5)
+    fig.text(0.01, 0.01, caption(runs), fontsize=5.5, va="bottom", wrap=True)
+    fig.subplots_adjust(bottom=0.22)
+    path = out / "loadtest-processes.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def bench_sections(paths: list[Path]) -> str:

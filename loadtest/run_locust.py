@@ -4,10 +4,13 @@ Starts `voice-server serve --config CONFIG` on a free port of 127.0.0.1 (or uses
 already running), writes the reference utterances if they are missing, runs locust headless with N users
 for DURATION, and writes `PREFIX_stats.csv` (and locust's other CSVs) plus `PREFIX_run.json` (users,
 config, endpoint, the command, the machine) for `loadtest/report.py`. Locust arguments after `--` are
-passed through (e.g. `-- --barge-in 0.2`).
+passed through (e.g. `-- --barge-in 0.2`). `--one-process` serves the config with every stage in one
+process group (`process: pipeline` on each stage, written to `runs/loadtest/CONFIG-one-process.yaml`),
+for the report's separate-processes-vs-one-process comparison.
 
 Usage: OMP_NUM_THREADS=1 python loadtest/run_locust.py --users 4 --duration 2m [--config configs/default.yaml]
-       [--url http://HOST:PORT] [--endpoint ws] [--csv runs/loadtest/default-ws-u4] [--workers 0] [-- ...]
+       [--url http://HOST:PORT] [--endpoint ws] [--csv runs/loadtest/default-ws-u4] [--workers 0]
+       [--one-process] [-- ...]
 """
 
 from __future__ import annotations
@@ -53,6 +56,18 @@ def run_distributed(command: list[str], workers: int) -> int:
                 proc.kill()
 
 
+def one_process_config(config: Path, out_dir: Path) -> Path:
+    """`config` with every stage in one process group: `CONFIG-one-process.yaml` in `out_dir`."""
+    import yaml
+
+    data = yaml.safe_load(config.read_text())
+    for stage in data["stages"]:
+        stage["process"] = "pipeline"
+    path = out_dir / f"{config.stem}-one-process.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/default.yaml")
@@ -62,10 +77,15 @@ def main() -> None:
     parser.add_argument("--endpoint", default="ws")
     parser.add_argument("--csv", type=Path, default=None, help="CSV prefix (default runs/loadtest/CONFIG-ENDPOINT-uN)")
     parser.add_argument("--workers", type=int, default=0, help="distributed mode: a master plus N workers")
+    parser.add_argument("--one-process", action="store_true", help="every stage in one process group")
     args, extra = parser.parse_known_args()
     extra = [a for a in extra if a != "--"]
     config = Path(args.config)
-    csv = args.csv or ROOT / "runs" / "loadtest" / f"{config.stem}-{args.endpoint.replace(',', '+')}-u{args.users}"
+    out_dir = ROOT / "runs" / "loadtest"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.one_process:
+        config = one_process_config(ROOT / config, out_dir)
+    csv = args.csv or out_dir / f"{config.stem}-{args.endpoint.replace(',', '+')}-u{args.users}"
     csv.parent.mkdir(parents=True, exist_ok=True)
     if not (HERE / "utterances").exists() and not any(a.startswith("--utterances") for a in extra):
         subprocess.run([sys.executable, str(HERE / "make_utterances.py")], check=True)

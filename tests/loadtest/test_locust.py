@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -86,6 +87,16 @@ def test_each_endpoint(server: SessionServer, utterances: Path, tmp_path: Path) 
     for endpoint in endpoints:
         assert f"| speech-test | {endpoint} | 6 |" in report.stdout, report.stdout
     assert sorted(p.name for p in (tmp_path / "img").iterdir()) == ["loadtest-first-audio.png", "loadtest-rtf.png"]
+    # The same run standing in for a `--one-process` run of the same config adds the processes plot.
+    for suffix in ("_stats.csv", "_run.json"):
+        shutil.copy(tmp_path / f"all{suffix}", tmp_path / f"one{suffix}")
+    (tmp_path / "one_run.json").write_text(json.dumps({"users": 6, "config": "speech-test-one-process",
+                                                       "command": "locust"}))
+    report = subprocess.run([sys.executable, str(ROOT / "loadtest" / "report.py"), str(tmp_path / "all"),
+                             str(tmp_path / "one"), "--img", str(tmp_path / "img")], env=_env(), cwd=ROOT,
+                            capture_output=True, text=True, check=True)
+    assert "| speech-test-one-process | ws | 6 |" in report.stdout, report.stdout
+    assert (tmp_path / "img" / "loadtest-processes.png").stat().st_size > 10_000
 
 
 def test_distributed(server: SessionServer, utterances: Path, tmp_path: Path) -> None:
