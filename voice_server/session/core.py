@@ -51,7 +51,8 @@ async def _discard(event: SessionEvent) -> None:
 
 
 MAX_BUFFER_S = 120
-"""Input audio kept for the current turn at least; older audio is dropped (a turn that never ends)."""
+"""Input audio a turn keeps at least (at most `MAX_BUFFER_S + TRIM_SLACK_S`); older audio is dropped (a
+turn that never ends)."""
 TRIM_SLACK_S = 10
 """How far the buffer may grow past `MAX_BUFFER_S` before it is trimmed back to it."""
 

@@ -55,8 +55,8 @@ class ResponseRun:
 
         NOTE: the conversation, not a callback into the session: a bound method of the session here made
         session -> run -> session a reference cycle, so every closed session (its socket, audio buffers,
-        zlib streams, conversation audio) waited for a full garbage collection, which a server with
-        torch-sized heaps runs rarely: +8.5 MB/min over a 10-minute soak."""
+        zlib streams, conversation audio) waited for a full garbage collection, which a server with a
+        large heap runs rarely: +8.5 MB/min over a 10-minute soak."""
         self._partial_sent = ""
         self.timings_ms: dict[str, float] = {}
         self.usage: dict[str, int] = {}
