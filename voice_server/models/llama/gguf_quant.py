@@ -152,9 +152,8 @@ def _head(
         head = nn.Linear(dense.shape[1], dense.shape[0], bias=False)
         head.weight = nn.Parameter(dense.to(dtype), requires_grad=False)
         return head
-    if mode == "w4a8":
-        if ggml_type == GGML_Q8_0 and raw_rows is not None:
-            return Q8A8Linear.from_q8_0(raw_rows)
+    if mode == "w4a8" and not (ggml_type == GGML_Q8_0 and raw_rows is not None):
+        # NOTE: a Q8_0 head is taken as it is below; any other head becomes Q8_0 blocks, never 4-bit.
         linear = nn.Linear(dense.shape[1], dense.shape[0], bias=False)
         linear.weight = nn.Parameter(dense, requires_grad=False)
         return quantize_head(linear, mode)
