@@ -82,10 +82,15 @@ def test_whole_text_speaks_the_same_clauses_as_its_deltas(runner: TTSRunner) -> 
 
 def test_speed_changes_the_pace(runner: TTSRunner) -> None:
     fast = TTSRunner(runner.engine, TTSRunnerConfig(speed=2.0))
-    normal = pcm_of(run(runner, WorkItem("n", WorkKind.NEW, {"text": TEXT})))
-    quick = pcm_of(run(fast, WorkItem("f", WorkKind.NEW, {"text": TEXT})))
-    assert quick.size < 0.7 * normal.size
-    runner.release("n")
+    # NOTE: piper draws its own duration noise and the pauses between sentences do not scale, so one
+    # pair's ratio ranged 0.62-0.70 over 15 draws here (mean 0.655); three of each keep it well apart.
+    num_normal = num_quick = 0
+    for i in range(3):
+        num_normal += pcm_of(run(runner, WorkItem(f"n{i}", WorkKind.NEW, {"text": TEXT}))).size
+        num_quick += pcm_of(run(fast, WorkItem(f"f{i}", WorkKind.NEW, {"text": TEXT}))).size
+        runner.release(f"n{i}")
+        fast.release(f"f{i}")
+    assert num_quick < 0.75 * num_normal
 
 
 def test_nothing_speakable_ends_with_an_empty_result(runner: TTSRunner) -> None:
