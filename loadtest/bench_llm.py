@@ -191,7 +191,8 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
         variants.append(("bf16", {"dtype": torch.bfloat16}))
     variants += [("int8", {"quantization": "int8"}), ("int4", {"quantization": "int4"}),
                  ("int4 compiled", {"quantization": "int4"}), ("w8a8", {"quantization": "w8a8"}),
-                 ("w4a8", {"quantization": "w4a8"}), ("w4a8 compiled", {"quantization": "w4a8"})]
+                 ("w4a8 python layers", {"quantization": "w4a8"}), ("w4a8", {"quantization": "w4a8"}),
+                 ("w4a8 compiled", {"quantization": "w4a8"})]
     if only:
         # NOTE: fp32 stays: it is the greedy_agree reference.
         variants = [v for v in variants if v[0] == "fp32" or v[0] in only]
@@ -222,6 +223,7 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
         model = load_llama(path, **kwargs)
         if weights == "fp32":
             model.use_column_major_weights()  # NOTE: as `create_llm` does for fp32 on CPU
+        model.is_fused = weights != "w4a8 python layers"
         load_s = time.perf_counter() - start
         runner = make_runner(model, tokenizer, is_batch_invariant, is_compiled=weights.endswith("compiled"))
         load_s = time.perf_counter() - start  # NOTE: with the runner: a compiled one compiles at start-up

@@ -1,8 +1,9 @@
 """Our C++ CPU kernels as torch custom ops (`torch.ops.voice_server.*`), compiled on first use.
 
-`block_a8.cpp` (block-quantised linears) and `paged_attention.cpp` (decode attention over the paged
-KV cache) are built by `torch.utils.cpp_extension.load` into torch's
-extension cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), not the repository;
+`block_a8.cpp` (block-quantised linears), `paged_attention.cpp` (decode attention over the paged
+KV cache) and `decoder_stack.cpp` (a w4a8 dense decoder's layers in one call per step), with their
+shared header `kernels.h`, are built by `torch.utils.cpp_extension.load` into torch's extension
+cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), not the repository;
 later processes load the cached library (rebuilt only when the source or flags change). The kernels
 pick their vector path (AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
 
@@ -13,6 +14,7 @@ logged warning and callers use torch's own kernels.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -26,7 +28,9 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "VOICE_SERVER_NO_KERNELS"
 _NAME = "voice_server_kernels"
-_SOURCES = (Path(__file__).with_name("block_a8.cpp"), Path(__file__).with_name("paged_attention.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_a8.cpp", "paged_attention.cpp",
+                                                               "decoder_stack.cpp"))
+_HEADERS = (Path(__file__).with_name("kernels.h"),)
 # NOTE: no FMA contraction: a fused multiply-add the compiler picks in one loop and not in another
 # would make a row's bits depend on which code path computed it. -fopenmp: `at::parallel_for` is
 # inline OpenMP, serial without it; compile only, not linked, so GOMP_* resolve to the libgomp torch
@@ -56,7 +60,7 @@ def available() -> bool:
         load(
             name=_NAME,
             sources=[str(p) for p in _SOURCES],
-            extra_cflags=list(_CFLAGS),
+            extra_cflags=[*_CFLAGS, f"-DVS_HEADERS_HASH={_headers_hash()}"],
             is_python_module=False,
             verbose=False,
         )
@@ -67,6 +71,13 @@ def available() -> bool:
     _register_fakes()
     log.info("C++ kernels ready in %.1f s (impl %d)", time.perf_counter() - start, best_impl())
     return True
+
+
+def _headers_hash() -> str:
+    """A digest of the shared header: torch rebuilds when the sources or flags change, and this puts
+    the header into the flags."""
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _HEADERS))
+    return digest.hexdigest()[:16]
 
 
 def _register_fakes() -> None:

@@ -7,44 +7,43 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
-#define VS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma")))
+#include "kernels.h"
 
+namespace voice_server {
 namespace {
 
-struct Seq {
-  int64_t row;
-  int64_t page_start;
-  int64_t kv_len;
-};
-
-struct Problem {
-  const float* q;  // [rows, H, D] with strides q_row, q_head (D contiguous)
-  int64_t q_row, q_head;
-  const float* k;  // [pages, page_size, H_kv, D] contiguous
-  const float* v;
-  const int64_t* page_index;
-  int64_t page_size, num_heads, num_kv_heads, head_dim;
-  float scale;
-  float* out;  // [rows, H, D] contiguous
-};
-
-inline int64_t slot_offset(const Problem& p, const Seq& s, int64_t t, int64_t g) {
-  const int64_t page = p.page_index[s.page_start + t / p.page_size];
-  return ((page * p.page_size + t % p.page_size) * p.num_kv_heads + g) * p.head_dim;
+// offs[t]: where key t of KV head g starts in the k/v pages, walked page by page (a division per key
+// cost more than the dot products).
+void slot_offsets(const AttnProblem& p, const AttnSeq& s, int64_t g, std::vector<int64_t>& offs) {
+  offs.resize(static_cast<size_t>(s.kv_len));
+  const int64_t slot_stride = p.num_kv_heads * p.head_dim;
+  for (int64_t pi = 0, t = 0; t < s.kv_len; ++pi) {
+    const int64_t base = (p.page_index[s.page_start + pi] * p.page_size * p.num_kv_heads + g) * p.head_dim;
+    const int64_t n = std::min(p.page_size, s.kv_len - t);
+    for (int64_t i = 0; i < n; ++i, ++t) offs[static_cast<size_t>(t)] = base + i * slot_stride;
+  }
 }
 
-// The reference path (CPUs without AVX512, and the tests): the same order, std::exp.
-void attend_scalar(const Problem& p, const Seq& s, int64_t g, std::vector<float>& scores) {
+struct Scratch {
+  std::vector<float> scores;
+  std::vector<int64_t> offs;
+  std::vector<float> parts;  // not std::vector<__m512>: its allocation was not 64-byte aligned here
+};
+
+// The reference path (CPUs without AVX512, and the tests): plain loops, std::exp.
+void attend_scalar(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
+  std::vector<float>& scores = scratch.scores;
+  const std::vector<int64_t>& offs = scratch.offs;
+  slot_offsets(p, s, g, scratch.offs);
   scores.assign(group * s.kv_len, 0.0f);
   for (int64_t t = 0; t < s.kv_len; ++t) {
-    const float* kp = p.k + slot_offset(p, s, t, g);
+    const float* kp = p.k + offs[t];
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = p.q + s.row * p.q_row + (g * group + h) * p.q_head;
       float acc = 0.0f;
@@ -63,71 +62,129 @@ void attend_scalar(const Problem& p, const Seq& s, int64_t g, std::vector<float>
     float* o = p.out + (s.row * p.num_heads + g * group + h) * d;
     std::fill(o, o + d, 0.0f);
     for (int64_t t = 0; t < s.kv_len; ++t) {
-      const float* vp = p.v + slot_offset(p, s, t, g);
-      for (int64_t i = 0; i < d; ++i) o[i] += sc[t] * vp[i];
+      for (int64_t i = 0; i < d; ++i) o[i] += sc[t] * p.v[offs[t] + i];
     }
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < d; ++i) o[i] *= inv;
   }
 }
 
-// exp for x <= 0: Cephes' polynomial on x - n ln2, then scalef by 2^n (~2 ulp).
-VS_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(y, n);
+// r[i] = the sum of v[i]'s 16 lanes, for 16 vectors: a transposing tree of 45 shuffles and adds
+// where 16 horizontal reductions would take ~130 instructions.
+VS_AVX512 inline __m512 reduce16(const float* vecs) {
+  __m512 u[8], w[4];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = _mm512_loadu_ps(vecs + 32 * i), b = _mm512_loadu_ps(vecs + 32 * i + 16);
+    u[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // NOTE: 128-bit lane L of w[i] now holds lane L's partial sums of v[4i .. 4i + 3].
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88), _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
-// head_dim a multiple of 16, at most 256; the group of query heads sharing a KV head at most 16.
-VS_AVX512 void attend_avx512(const Problem& p, const Seq& s, int64_t g, std::vector<float>& scores) {
-  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim, nv = d / 16;
+// NOTE: keys are 256-byte pieces 768 bytes apart, pages scattered: the hardware prefetcher missed
+// most of them (30 layers of 8 sequences: 108 us per call from memory vs 39 us from cache).
+constexpr int64_t kPrefetch = 16;  // keys ahead
+
+template <int NV>
+inline void prefetch_row(const float* row) {
+  for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * j), _MM_HINT_T0);
+}
+
+constexpr int kHeadsPerPass = 4;  // query heads of a KV head scored together (K and V read once each)
+
+// NV = head_dim / 16 (1..16).
+template <int NV>
+VS_AVX512 void attend_avx512(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& scratch) {
+  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
   const int64_t padded = (s.kv_len + 15) / 16 * 16;
-  scores.resize(group * padded);
-  for (int64_t t = 0; t < s.kv_len; ++t) {
-    const float* kp = p.k + slot_offset(p, s, t, g);
-    __m512 kv[16];
-    for (int64_t j = 0; j < nv; ++j) kv[j] = _mm512_loadu_ps(kp + 16 * j);
-    for (int64_t h = 0; h < group; ++h) {
-      const float* qh = p.q + s.row * p.q_row + (g * group + h) * p.q_head;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
-      for (int64_t j = 1; j < nv; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], acc);
-      scores[h * padded + t] = _mm512_reduce_add_ps(acc) * p.scale;
-    }
+  slot_offsets(p, s, g, scratch.offs);
+  const int64_t* offs = scratch.offs.data();
+  scratch.scores.resize(group * padded);
+  float* scores = scratch.scores.data();
+  scratch.parts.resize(kHeadsPerPass * 16 * 16);
+  float* parts = scratch.parts.data();
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t t = 0; t < std::min(kPrefetch, s.kv_len); ++t) {
+    prefetch_row<NV>(p.k + offs[t]);
+    prefetch_row<NV>(p.v + offs[t]);
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* sc = scores.data() + h * padded;
-    std::fill(sc + s.kv_len, sc + padded, -INFINITY);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + t));
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sc + t, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + t), m)));
-    // NOTE: exp512 clamps, so the padding came out ~1e-38, not 0: zeroed before the sum.
-    std::fill(sc + s.kv_len, sc + padded, 0.0f);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(sc + t));
-    const float inv = 1.0f / _mm512_reduce_add_ps(sum);
-    __m512 acc[16];
-    for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+    const int hn = static_cast<int>(std::min<int64_t>(kHeadsPerPass, group - h0));
+    const float* q0 = p.q + s.row * p.q_row + (g * group + h0) * p.q_head;
+    // Scores: per key, one partial vector per head; every 16 keys, one transposing reduction.
     for (int64_t t = 0; t < s.kv_len; ++t) {
-      const float* vp = p.v + slot_offset(p, s, t, g);
-      const __m512 w = _mm512_set1_ps(sc[t]);
-      for (int64_t j = 0; j < nv; ++j) acc[j] = _mm512_fmadd_ps(w, _mm512_loadu_ps(vp + 16 * j), acc[j]);
+      if (t + kPrefetch < s.kv_len) prefetch_row<NV>(p.k + offs[t + kPrefetch]);
+      // NOTE: the values too, for the pass after the softmax (a sequence's are ~30 KB: they stay in L1/L2).
+      if (h0 == 0 && t + kPrefetch < s.kv_len) prefetch_row<NV>(p.v + offs[t + kPrefetch]);
+      __m512 kv[NV];
+      for (int j = 0; j < NV; ++j) kv[j] = _mm512_loadu_ps(p.k + offs[t] + 16 * j);
+      const int64_t lane = t % 16;
+      for (int h = 0; h < hn; ++h) {
+        const float* qh = q0 + h * p.q_head;
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qh), kv[0]);
+        for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qh + 16 * j), kv[j], acc);
+        _mm512_storeu_ps(parts + (h * 16 + lane) * 16, acc);
+      }
+      if (lane == 15 || t == s.kv_len - 1) {
+        for (int h = 0; h < hn; ++h) {
+          for (int64_t i = lane + 1; i < 16; ++i) _mm512_storeu_ps(parts + (h * 16 + i) * 16, _mm512_setzero_ps());
+          _mm512_storeu_ps(scores + (h0 + h) * padded + t - lane, _mm512_mul_ps(reduce16(parts + h * 256), scale));
+        }
+      }
     }
-    float* o = p.out + (s.row * p.num_heads + g * group + h) * d;
-    const __m512 iv = _mm512_set1_ps(inv);
-    for (int64_t j = 0; j < nv; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], iv));
+    // Softmax over the exact kv_len keys (the padding is set to zero weight).
+    float inv[kHeadsPerPass];
+    for (int h = 0; h < hn; ++h) {
+      float* sc = scores + (h0 + h) * padded;
+      std::fill(sc + s.kv_len, sc + padded, -INFINITY);
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < padded; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sc + t));
+      const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      for (int64_t t = 0; t < padded; t += 16) _mm512_storeu_ps(sc + t, exp512(_mm512_sub_ps(_mm512_loadu_ps(sc + t), m)));
+      // NOTE: exp512 clamps, so the padding came out ~1e-38, not 0: zeroed before the sum.
+      std::fill(sc + s.kv_len, sc + padded, 0.0f);
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t t = 0; t < padded; t += 16) sum = _mm512_add_ps(sum, _mm512_loadu_ps(sc + t));
+      inv[h] = 1.0f / _mm512_reduce_add_ps(sum);
+    }
+    // Values: each V row read once for the heads of this pass.
+    __m512 acc[kHeadsPerPass][NV];
+    for (int h = 0; h < kHeadsPerPass; ++h) {
+      for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_setzero_ps();
+    }
+    for (int64_t t = 0; t < s.kv_len; ++t) {
+      if (t + kPrefetch < s.kv_len) prefetch_row<NV>(p.v + offs[t + kPrefetch]);
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(p.v + offs[t] + 16 * j);
+      for (int h = 0; h < hn; ++h) {
+        const __m512 w = _mm512_set1_ps(scores[(h0 + h) * padded + t]);
+        for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_fmadd_ps(w, vv[j], acc[h][j]);
+      }
+    }
+    for (int h = 0; h < hn; ++h) {
+      float* o = p.out + (s.row * p.num_heads + g * group + h0 + h) * d;
+      const __m512 iv = _mm512_set1_ps(inv[h]);
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[h][j], iv));
+    }
   }
 }
+
+using AttendFn = void (*)(const AttnProblem&, const AttnSeq&, int64_t, Scratch&);
+
+template <int... NV>
+AttendFn pick_attend(int64_t nv, std::integer_sequence<int, NV...>) {
+  AttendFn fn = nullptr;
+  ((nv == NV + 1 ? (fn = &attend_avx512<NV + 1>, 0) : 0), ...);
+  return fn;
+}
+
+}  // namespace
 
 bool host_has_avx512() {
   static const bool has = [] {
@@ -136,6 +193,20 @@ bool host_has_avx512() {
   }();
   return has;
 }
+
+void paged_attention(const AttnProblem& p, const AttnSeq* seqs, int64_t num_seqs, bool is_vector) {
+  const AttendFn attend = is_vector ? pick_attend(p.head_dim / 16, std::make_integer_sequence<int, 16>()) : nullptr;
+  const int64_t kv_heads = p.num_kv_heads;
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    Scratch scratch;
+    for (int64_t i = begin; i < end; ++i) {
+      if (attend != nullptr) attend(p, seqs[i / kv_heads], i % kv_heads, scratch);
+      else attend_scalar(p, seqs[i / kv_heads], i % kv_heads, scratch);
+    }
+  });
+}
+
+namespace {
 
 // q [rows, H, D] (D contiguous), k/v pages [P, page_size, H_kv, D], page_index [pages read] int64,
 // seqs [S, 3] int64 (row, first page in page_index, kv_len), out [rows, H, D]: rows of seqs written.
@@ -154,32 +225,30 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, cons
   const int64_t heads = q.size(1), d = q.size(2), kv_heads = k_pages.size(2);
   TORCH_CHECK(k_pages.size(3) == d && heads % kv_heads == 0, "head_dim or head counts do not match");
   const bool vector = impl != 1 && host_has_avx512() && d % 16 == 0 && d <= 256;
-  const Problem p{q.data_ptr<float>(), q.stride(0), q.stride(1), k_pages.data_ptr<float>(), v_pages.data_ptr<float>(),
-                  page_index.data_ptr<int64_t>(), k_pages.size(1), heads, kv_heads, d, static_cast<float>(scale),
-                  out.data_ptr<float>()};
+  const AttnProblem p{q.data_ptr<float>(), q.stride(0), q.stride(1), k_pages.data_ptr<float>(),
+                      v_pages.data_ptr<float>(), page_index.data_ptr<int64_t>(), k_pages.size(1), heads, kv_heads, d,
+                      static_cast<float>(scale), out.data_ptr<float>()};
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t num_seqs = seqs.size(0), num_pages = page_index.numel();
+  std::vector<AttnSeq> rows(static_cast<size_t>(num_seqs));
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t row = sp[3 * i], start = sp[3 * i + 1], kv_len = sp[3 * i + 2];
     TORCH_CHECK(row >= 0 && row < q.size(0) && kv_len >= 1 && start >= 0 &&
                     start + (kv_len + p.page_size - 1) / p.page_size <= num_pages,
                 "seqs row ", i, " is out of range");
+    rows[static_cast<size_t>(i)] = AttnSeq{row, start, kv_len};
   }
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t i = begin; i < end; ++i) {
-      const Seq s{sp[3 * (i / kv_heads)], sp[3 * (i / kv_heads) + 1], sp[3 * (i / kv_heads) + 2]};
-      if (vector) attend_avx512(p, s, i % kv_heads, scores);
-      else attend_scalar(p, s, i % kv_heads, scores);
-    }
-  });
+  paged_attention(p, rows.data(), num_seqs, vector);
 }
 
 }  // namespace
+}  // namespace voice_server
 
 TORCH_LIBRARY_FRAGMENT(voice_server, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_pages, Tensor v_pages, Tensor page_index, Tensor seqs, "
         "float scale, Tensor(a!) out, int impl=0) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(voice_server, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(voice_server, CPU, m) {
+  m.impl("paged_decode_attention", &voice_server::paged_decode_attention);
+}

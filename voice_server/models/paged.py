@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -149,6 +150,16 @@ class AttentionContext:
     decode_seqs: torch.Tensor | None = None
     """[num decode spans, 3] long (row, page_start, kv_len) when the cache's decode kernel serves
     the spans of one query row (None: every span through SDPA)."""
+
+    @cached_property
+    def row_seqs(self) -> torch.Tensor:
+        """[rows that attend, 3] long (row, page_start, kv_len): each real row over its own causal prefix
+        (a prefill row at position p reads p + 1 keys), for kernels that attend row by row."""
+        rows = [
+            (span.query_start + i, span.page_start, span.kv_len - span.query_len + 1 + i)
+            for span in self.spans for i in range(span.query_len)
+        ]
+        return torch.tensor(rows, dtype=torch.long, device=self.slot_mapping.device).reshape(-1, 3)
 
     def attend(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sliding_window: int | None

@@ -25,6 +25,7 @@ from voice_server.models.layers import (
     signed_sin,
 )
 from voice_server.models.llama.config import LlamaConfig
+from voice_server.models.llama.fused import FusedLayers
 from voice_server.models.paged import AttentionContext
 from voice_server.models.shapes import expect_shapes
 
@@ -86,6 +87,8 @@ class LlamaForCausalLM(nn.Module):
         # loader, and a buffer would then hold garbage; this is recomputed per device on demand.
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._signed_rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.is_fused = True
+        self._fused: FusedLayers | bool | None = None  # None: not tried yet; False: not supported
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.model.embed_tokens.weight
@@ -106,6 +109,15 @@ class LlamaForCausalLM(nn.Module):
                 module.weight = nn.Parameter(module.weight.t().contiguous().t(), requires_grad=False)
         if self.config.tie_word_embeddings:
             self.tie_weights()
+
+    def fused_layers(self) -> FusedLayers | None:
+        """The layers as one C++ call per paged step, where this model's parts allow it (built on
+        first use; `is_fused = False` turns it off)."""
+        if not self.is_fused:
+            return None
+        if self._fused is None:
+            self._fused = FusedLayers.of(self) or False
+        return self._fused if isinstance(self._fused, FusedLayers) else None
 
     def make_kv_cache(self) -> KVCache:
         return KVCache(self.config.num_hidden_layers)
@@ -142,8 +154,13 @@ class LlamaForCausalLM(nn.Module):
 
         Only the rows that are sampled go through the final norm and lm_head.
         """
-        x = self.model.embed_tokens(input_ids)[None]
+        x = self.model.embed_tokens(input_ids)
         cos_table, sin_table = self.signed_rope_table(x.device, x.dtype)
+        fused = self.fused_layers() if ctx.cache.use_decode_kernel else None
+        if fused is not None:
+            fused.run(x, cos_table[positions], sin_table[positions], ctx)
+            return self.lm_head(self.model.norm(x.index_select(0, logits_indices)))
+        x = x[None]
         # NOTE: [1, 1, T, D], broadcast over heads by every layer's `apply_rotary_signed`.
         cos, sin = cos_table[positions][None, None], sin_table[positions][None, None]
         for i, layer in enumerate(self.model.layers):
