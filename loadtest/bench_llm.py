@@ -13,15 +13,20 @@ unless `--no-invariant`) under an `ARScheduler`, driven by `runners.generate.run
   through `torch._int_mm`, lm_head included; exactly batch invariant, so the runner pads nothing.
 - ours w4a8: the Q4_1 blocks as they are times int8 activations per 32 (llama.cpp's Q4_1 x Q8_1
   math) through our C++ op, lm_head the GGUF's Q8_0 blocks times int8 activations; exactly batch
-  invariant. `--threads` repeats it per thread count like int4. `w4a8 compiled`: with `compile: true`.
+  invariant; its layers run as one C++ call per step (`FusedLayers`). `w4a8 python layers`: the same
+  model with `is_fused = False` (one torch op per layer part, as before the fused layers).
+  `--threads` repeats them per thread count like int4. `w4a8 compiled`: with `compile: true`.
 - llama.cpp: `llama_cpp.Llama(model_path=..., n_threads=...)`, fed our token ids, greedy (argmax of
   the last logits after each `eval`), 1 and 2 threads.
 
 Columns: `load_s`; `ttft_ms` for a ~200-token chat prompt (ours: admission to first emitted token
 through the scheduler, so prefill + the first greedy token); `decode_tok_s` single stream after that
 prompt; `greedy_agree`: fraction of ids equal to ours in fp32 over the first 32 greedy tokens of 3
-short prompts; `agg_tok_s_N_streams` (`--streams 4,8`, our rows): N requests with different short
-chat prompts arriving one step apart, each generating `--tokens` tokens through the scheduler;
+short prompts (free running: one early near-tie flip changes the rest of a sequence);
+`forced_agree`: the same positions fed fp32's tokens (`forced_next_ids`), each position's argmax
+against fp32's next token, the steadier reading of the numerics; `agg_tok_s_N_streams` (`--streams
+4,8`, our rows): N requests with different short chat prompts arriving one step apart, each
+generating `--tokens` tokens through the scheduler;
 all tokens emitted / wall time, their prefill included. `--threads 1,2` repeats our int4 and w4a8
 rows per thread count (llama.cpp always gets 1 and 2).
 
@@ -32,6 +37,7 @@ Usage: OMP_NUM_THREADS=1 .venv/bin/python loadtest/bench_llm.py [--tokens 64] [-
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -49,7 +55,7 @@ from voice_server.models.llama.gguf_file import GGUFFile  # noqa: E402
 from voice_server.models.llama.loader import find_smollm2_gguf  # noqa: E402
 from voice_server.models.quant import has_native_bf16  # noqa: E402
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig  # noqa: E402
-from voice_server.runners.generate import budget_for, run_local  # noqa: E402
+from voice_server.runners.generate import budget_for, forced_next_ids, run_local  # noqa: E402
 
 AGREE_PROMPTS = (
     "What is the capital of France?",
@@ -161,6 +167,12 @@ def greedy(stepper: Stepper, ids: list[int], num_tokens: int) -> list[int]:
     return out
 
 
+def forced_greedy(stepper: Stepper, ids: list[int], tokens: list[int]) -> list[int]:
+    """`forced_next_ids` for a stepper: its argmax after the prompt and after each of `tokens[:-1]`."""
+    token, step = stepper(ids)
+    return [token] + [step(t) for t in tokens[:-1]]
+
+
 def timed_decode(stepper: Stepper, ids: list[int], num_tokens: int) -> tuple[float, float]:
     """(time to first token in ms, decode tok/s of the `num_tokens - 1` steps after it)."""
     stepper(ids[:8])  # warm-up (allocations, lazy init)
@@ -200,7 +212,7 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
     reference: list[list[int]] = []
 
     def add_row(impl: str, weights: str, n_threads: int, load_s: float, outputs: list[list[int]],
-                ttft_ms: float, tok_s: float) -> dict[str, Any]:
+                forced: Callable[[list[int], list[int]], list[int]], ttft_ms: float, tok_s: float) -> dict[str, Any]:
         if not reference:
             reference.extend(outputs)
         row = {
@@ -213,6 +225,7 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
             "decode_tok_s": tok_s,
             "ms_per_token": 1e3 / tok_s,
             "greedy_agree": agreement(reference, outputs),
+            "forced_agree": agreement(reference, [forced(ids, ref) for ids, ref in zip(agree_prompts, reference)]),
         }
         rows.append(row)
         return row
@@ -231,7 +244,8 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
             torch.set_num_threads(n_threads)
             outputs = runner_greedy(runner, agree_prompts, AGREE_TOKENS)
             ttft_ms, tok_s = runner_timed_decode(runner, prompt, num_tokens)
-            row = add_row("ours (runner)", weights, n_threads, load_s, outputs, ttft_ms, tok_s)
+            row = add_row("ours (runner)", weights, n_threads, load_s, outputs,
+                          functools.partial(forced_next_ids, model), ttft_ms, tok_s)
             for n in streams:
                 row[f"agg_tok_s_{n}_streams"] = aggregate_decode_tok_s(runner, stream_prompts(tokenizer, n), num_tokens)
         torch.set_num_threads(1)
@@ -247,7 +261,8 @@ def run(num_tokens: int = 64, streams: Sequence[int] = (), threads: Sequence[int
         load_s = time.perf_counter() - start
         stepper = llama_cpp_stepper(llm)
         outputs = [greedy(stepper, ids, AGREE_TOKENS) for ids in agree_prompts]
-        add_row("llama.cpp", "Q4_1 GGUF", n_threads, load_s, outputs, *timed_decode(stepper, prompt, num_tokens))
+        add_row("llama.cpp", "Q4_1 GGUF", n_threads, load_s, outputs, functools.partial(forced_greedy, stepper),
+                *timed_decode(stepper, prompt, num_tokens))
         del llm
     return rows
 

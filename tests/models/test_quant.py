@@ -9,8 +9,7 @@ from tiny_llama import tiny_llama
 from torch import nn
 
 from voice_server import kernels
-from voice_server.models.llama import LlamaForCausalLM, load_llama
-from voice_server.models.paged import PagedKVCache, build_attention_context
+from voice_server.models.llama import load_llama
 from voice_server.models.quant import (
     GROUP_SIZE,
     Int4Linear,
@@ -26,7 +25,7 @@ from voice_server.models.quant import (
     quantize_model,
 )
 from voice_server.models.quant_w8a8 import quantize_activation_rows
-from voice_server.runners.generate import generate_greedy
+from voice_server.runners.generate import forced_next_ids, generate_greedy
 
 torch.set_num_threads(1)
 
@@ -318,24 +317,6 @@ def test_smollm2_greedy_agreement(mode: str, smollm2_prompts: tuple) -> None:
     # first); loadtest/bench_llm.py reports the figure. Fed fp32's tokens instead, a flip costs one
     # position: that agreement is the tight check.
     assert agreement >= 0.3
-    forced = forced_agreement(model, prompts, reference)
+    forced = greedy_agreement(reference, [forced_next_ids(model, ids, ref) for ids, ref in zip(prompts, reference)])
     print(f"{mode}: top-1 agreement with fp32's next token, fed fp32's tokens: {forced:.3f}")
     assert forced >= {"int8": 0.9, "w8a8": 0.85}.get(mode, 0.95)  # measured: 0.948, 0.896; int4 0.990, w4a8 0.979
-
-
-def forced_agreement(model: LlamaForCausalLM, prompts: list[list[int]], reference: list[list[int]]) -> float:
-    """Fraction of positions whose argmax is fp32's next token when every position is fed fp32's own
-    tokens (one paged prefill of prompt + reference per prompt, the runner's forward)."""
-    cfg = model.config
-    same = total = 0
-    for ids, ref in zip(prompts, reference, strict=True):
-        seq = ids + ref[:-1]
-        num_pages = -(-len(seq) // 16)
-        cache = PagedKVCache(cfg.num_hidden_layers, num_pages, 16, cfg.num_key_value_heads, cfg.head_dim,
-                             model.model.norm.weight.dtype)
-        ctx, positions = build_attention_context(cache, [(0, len(seq), list(range(num_pages)))], len(seq))
-        with torch.no_grad():
-            logits = model.forward_paged(torch.tensor(seq), positions, ctx, torch.arange(len(ids) - 1, len(seq)))
-        same += int((logits.argmax(-1) == torch.tensor(ref)).sum())
-        total += len(ref)
-    return same / total

@@ -1,8 +1,8 @@
 """Our C++ CPU kernels as torch custom ops (`torch.ops.voice_server.*`), compiled on first use.
 
-`block_a8.cpp` (block-quantised linears), `paged_attention.cpp` (decode attention over the paged
-KV cache) and `decoder_stack.cpp` (a w4a8 dense decoder's layers in one call per step), with their
-shared header `kernels.h`, are built by `torch.utils.cpp_extension.load` into torch's extension
+`block_a8.cpp` (block-quantised linears; their activations quantised by `quantize_a8.cpp`),
+`paged_attention.cpp` (decode attention over the paged KV cache) and `decoder_stack.cpp` (a w4a8
+dense decoder's layers in one call per step), with their shared header `kernels.h`, are built by `torch.utils.cpp_extension.load` into torch's extension
 cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), not the repository;
 later processes load the cached library (rebuilt only when the source or flags change). The kernels
 pick their vector path (AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "VOICE_SERVER_NO_KERNELS"
 _NAME = "voice_server_kernels"
-_SOURCES = tuple(Path(__file__).with_name(name) for name in ("block_a8.cpp", "paged_attention.cpp",
-                                                               "decoder_stack.cpp"))
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("quantize_a8.cpp", "block_a8.cpp",
+                                                               "paged_attention.cpp", "decoder_stack.cpp"))
 _HEADERS = (Path(__file__).with_name("kernels.h"),)
 # NOTE: no FMA contraction: a fused multiply-add the compiler picks in one loop and not in another
 # would make a row's bits depend on which code path computed it. -fopenmp: `at::parallel_for` is

@@ -15,13 +15,15 @@ namespace voice_server {
 
 enum Impl : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3 };
 
+constexpr int64_t kBlock = 32;  // K values per weight block and per activation block
+
 // The best path this CPU runs (cpuid, once per process).
 Impl host_impl();
 // `requested` (an Impl value; 0 = the host's best), checked against what the CPU has.
 Impl resolve_impl(int64_t requested);
 
-// Activations quantised per row and block of 32 for `block_a8_matmul` (see block_a8.cpp's Acts):
-// buffers sized by `resize`, reused from step to step.
+// Activations quantised per row and block of 32 for `block_a8_matmul` (quantize_a8.cpp; the layout is
+// block_a8.cpp's Acts): buffers sized by `resize`, reused from step to step.
 struct A8Acts {
   std::vector<int8_t> q;
   std::vector<float> scale, scaled_sum;

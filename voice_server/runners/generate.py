@@ -11,7 +11,7 @@ import torch
 
 from voice_server.engine.local import LocalOutcome, LocalRequest, LocalStage
 from voice_server.models.llama import LlamaForCausalLM
-from voice_server.models.paged import PagedKVCache
+from voice_server.models.paged import PagedKVCache, build_attention_context
 from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig
 from voice_server.runners.sizing import activation_reserve_bytes, weight_bytes
 from voice_server.scheduling import ARScheduler
@@ -52,3 +52,23 @@ def generate_greedy(
     sampling: dict[str, Any] = {"max_tokens": max_new_tokens, "ignore_eos": True, "stop_token_ids": list(eos_ids)}
     outcome = run_local(runner, [LocalRequest("greedy", {"token_ids": ids}, {"sampling": sampling})])["greedy"]
     return list(outcome.result["token_ids"])
+
+
+def forced_next_ids(model: LlamaForCausalLM, input_ids: Sequence[int], tokens: Sequence[int],
+                    page_size: int = 16) -> list[int]:
+    """Teacher forcing: the argmax after the prompt and after each of `tokens[:-1]` appended, from one
+    paged prefill of prompt + tokens[:-1] (the forward the runner runs). Against another model's
+    greedy `tokens` it scores numerics position by position: one near-tie flip costs one position,
+    not the rest of the sequence as in free-running greedy agreement."""
+    ids = [int(t) for t in input_ids] + [int(t) for t in tokens[:-1]]
+    if not input_ids or not tokens:
+        raise ValueError("input_ids and tokens must not be empty")
+    cfg = model.config
+    num_pages = -(-len(ids) // page_size)
+    cache = PagedKVCache(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim,
+                         model.model.norm.weight.dtype)
+    ctx, positions = build_attention_context(cache, [(0, len(ids), list(range(num_pages)))], len(ids))
+    rows = torch.arange(len(input_ids) - 1, len(ids))
+    with torch.no_grad():
+        logits = model.forward_paged(torch.tensor(ids), positions, ctx, rows)
+    return [int(t) for t in logits.argmax(-1).tolist()]

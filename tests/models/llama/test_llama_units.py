@@ -14,7 +14,7 @@ from tiny_llama import tiny_llama
 from voice_server.models.llama import LlamaConfig, load_llama
 from voice_server.models.llama.gguf_weights import unpermute_qk
 from voice_server.models.llama.loader import resolve_dtype
-from voice_server.runners.generate import generate_greedy
+from voice_server.runners.generate import forced_next_ids, generate_greedy
 
 torch.set_num_threads(1)
 
@@ -120,6 +120,22 @@ def test_generate_greedy_matches_full_forward_argmax_and_stops_at_eos() -> None:
             seq.append(token)
     stopped = generate_greedy(model, prompt, max_new_tokens=6, eos_ids=[out[1]])
     assert stopped == out[: out.index(out[1]) + 1]
+
+
+def test_forced_next_ids_score_position_by_position() -> None:
+    model = load_llama(load_format="dummy", config=TINY, seed=3)
+    prompt = [5, 9, 11, 2]
+    out = generate_greedy(model, prompt, max_new_tokens=6)
+    assert forced_next_ids(model, prompt, out) == out  # fed its own greedy tokens, it predicts them
+    # fed other tokens, each position's argmax is the full forward's over that prefix
+    other = [7, 1, 30, 2, 9, 4]
+    forced = forced_next_ids(model, prompt, other)
+    with torch.no_grad():
+        for i, token in enumerate(forced):
+            seq = prompt + other[:i]
+            assert int(model(torch.tensor([seq]), torch.arange(len(seq))[None])[0, -1].argmax()) == token
+    with pytest.raises(ValueError, match="must not be empty"):
+        forced_next_ids(model, prompt, [])
 
 
 def test_column_major_weights_keep_names_shapes_and_outputs() -> None:
