@@ -2,10 +2,11 @@
 
 `block_a8.cpp` (block-quantised linears; their activations quantised by `quantize_a8.cpp`),
 `paged_attention.cpp` (decode attention over the paged KV cache) and `decoder_stack.cpp` (a w4a8
-dense decoder's layers in one call per step), with their shared header `kernels.h`, are built by `torch.utils.cpp_extension.load` into torch's extension
-cache (`$TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`), not the repository;
-later processes load the cached library (rebuilt only when the source or flags change). The kernels
-pick their vector path (AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
+dense decoder's layers in one call per step), with their shared header `kernels.h`, are built by
+`torch.utils.cpp_extension.load` into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`), not the repository; later processes load the cached library (rebuilt
+only when the sources, the header or the flags change). The kernels pick their vector path
+(AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
 
 Without a compiler or ninja, or with `VOICE_SERVER_NO_KERNELS=1`, `available()` is False after one
 logged warning and callers use torch's own kernels.
