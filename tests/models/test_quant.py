@@ -312,10 +312,10 @@ def test_smollm2_greedy_agreement(mode: str, smollm2_prompts: tuple) -> None:
     outputs = [generate_greedy(model, ids, NUM_TOKENS) for ids in prompts]
     agreement = greedy_agreement(reference, outputs)
     print(f"{mode}: greedy-id agreement with fp32 over {NUM_TOKENS} tokens x {len(prompts)} prompts: {agreement:.2f}")
-    # NOTE: loose on purpose: one early near-tie flip changes the rest of a sequence (w4a8's first
-    # token on "What is the capital of France?" is fp32's second choice, 0.08 logits behind its
-    # first); loadtest/bench_llm.py reports the figure. Fed fp32's tokens instead, a flip costs one
-    # position: that agreement is the tight check.
+    # NOTE: loose on purpose: one early near-tie flip changes the rest of a sequence (fp32's first
+    # token on "What is the capital of France?" leads its second by 0.08 logits; w4a8 with crest 5
+    # flipped it); loadtest/bench_llm.py reports the figure. Fed fp32's tokens instead, a flip costs
+    # one position: that agreement is the tight check.
     assert agreement >= 0.3
     forced = greedy_agreement(reference, [forced_next_ids(model, ids, ref) for ids, ref in zip(prompts, reference)])
     print(f"{mode}: top-1 agreement with fp32's next token, fed fp32's tokens: {forced:.3f}")
