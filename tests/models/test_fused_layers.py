@@ -1,7 +1,7 @@
 """`FusedLayers` (`voice_server/kernels/decoder_stack.cpp`): a w4a8 decoder's layers in one C++ call
 per paged step, against the Python layers over the same weights and cache; batch and thread
-invariance with prefill, decode and padding rows in one step; the models it leaves to Python; bad
-input refused."""
+invariance with prefill, decode and padding rows in one step; an fp16 cache; the models it leaves
+to Python; bad input refused."""
 
 from __future__ import annotations
 
@@ -31,11 +31,11 @@ def _model(seed: int = 0, **overrides: object) -> LlamaForCausalLM:
     return load_llama(load_format="dummy", config=cfg, seed=seed, quantization="w4a8")
 
 
-def _cache(model: LlamaForCausalLM, num_pages: int = 32) -> PagedKVCache:
+def _cache(model: LlamaForCausalLM, num_pages: int = 32, dtype: torch.dtype = torch.float32) -> PagedKVCache:
     cfg = model.config
     # NOTE: use_decode_kernel forced: the fused layers run where the decode kernel does.
     return PagedKVCache(cfg.num_hidden_layers, num_pages, PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim,
-                        torch.float32, use_decode_kernel=True)
+                        dtype, use_decode_kernel=True)
 
 
 def _step(model: LlamaForCausalLM, cache: PagedKVCache, seqs: list[tuple[list[int], int, list[int]]],
@@ -50,10 +50,11 @@ def _step(model: LlamaForCausalLM, cache: PagedKVCache, seqs: list[tuple[list[in
         return model.forward_paged(input_ids, positions, ctx, torch.arange(len(ids)))
 
 
-def _conversation(model: LlamaForCausalLM, is_fused: bool) -> tuple[list[torch.Tensor], PagedKVCache]:
+def _conversation(model: LlamaForCausalLM, is_fused: bool,
+                  dtype: torch.dtype = torch.float32) -> tuple[list[torch.Tensor], PagedKVCache]:
     """A prefill of 9 tokens in two chunks, then 4 decode steps; logits of every step."""
     model.is_fused = is_fused
-    cache = _cache(model)
+    cache = _cache(model, dtype=dtype)
     pages = [3, 7, 1, 9]
     out = [_step(model, cache, [([5, 17, 2, 99, 40], 0, pages)]), _step(model, cache, [([8, 8, 1, 60], 5, pages)])]
     for i, token in enumerate([11, 12, 13, 14]):
@@ -95,6 +96,29 @@ def test_a_sequence_alone_and_in_a_crowd_with_prefill_and_padding() -> None:
     first = _step(model, crowd_cache, [([7] * 5, 0, [12, 13]), (prompt, 0, pages), ([6], 3, [11])])
     second = _step(model, crowd_cache, [([6], 4, [11, 14]), ([20], 6, pages)], num_rows=5)
     assert torch.equal(first[10:11], alone[0]) and torch.equal(second[1:2], alone[1])
+
+
+def test_an_fp16_cache_keeps_the_logits_and_the_invariance() -> None:
+    model = _model(seed=4)
+    fp32, _ = _conversation(model, True)
+    half, half_cache = _conversation(model, True, torch.float16)
+    assert half_cache.kv.dtype == torch.float16
+    for a, b in zip(half, fp32, strict=True):
+        # NOTE: the fp16 rounding of keys and values, now and then amplified by the int8 activations
+        assert (a - b).abs().max() <= 0.03 * b.abs().max()
+        assert (a - b).abs().mean() <= 0.005 * b.abs().max()
+    # the first layer's keys and values (from the embeddings alone) are the fp32 cache's rounded to fp16
+    _, fp32_cache = _conversation(model, True)
+    assert torch.equal(half_cache.kv[0], fp32_cache.kv[0].half())
+    alone_cache = _cache(model, dtype=torch.float16)
+    alone = _step(model, alone_cache, [([9, 4, 4], 0, [6])])
+    crowd_cache = _cache(model, dtype=torch.float16)
+    crowd = _step(model, crowd_cache, [([1, 2, 3, 4, 5], 0, [2, 3]), ([9, 4, 4], 0, [6])], num_rows=9)
+    assert torch.equal(crowd[5:8], alone)
+    # the torch layers cannot write an fp16 cache under fp32 activations: a clear refusal
+    model.is_fused = False
+    with pytest.raises(ValueError, match="only the fused C\\+\\+ layers"):
+        _step(model, _cache(model, dtype=torch.float16), [([1, 2], 0, [0])])
 
 
 def test_thread_count_invariant() -> None:

@@ -70,6 +70,18 @@ def test_matches_gather_and_sdpa(impl: str) -> None:
     assert out[len(kv_lens) :].eq(0).all()  # rows not named in seqs are left alone
 
 
+@pytest.mark.parametrize("impl", ["scalar", "auto"])
+def test_fp16_pages_read_as_their_fp32_values(impl: str) -> None:
+    k_pages, v_pages = _pages(5)
+    k_half, v_half = k_pages.half(), v_pages.half()
+    kv_lens = [3, 40, 129]
+    seq_pages = _seq_pages(kv_lens, seed=6)
+    q = torch.randn(len(kv_lens), HEADS, HEAD_DIM)
+    half = _run(q, k_half, v_half, seq_pages, kv_lens, impl)
+    widened = _run(q, k_half.float(), v_half.float(), seq_pages, kv_lens, impl)
+    assert (half - widened).abs().max() <= 1e-5
+
+
 def test_a_sequence_alone_and_in_a_crowd() -> None:
     k_pages, v_pages = _pages(2)
     kv_lens = [40, 7, 130, 64]

@@ -151,6 +151,25 @@ def test_kv_sizing_from_budget(model: Any, runner: DecoderRunner) -> None:
         DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=MIB))
 
 
+def test_kv_cache_dtype_policy(model: Any) -> None:
+    """fp16 where w4a8's fused layers run (twice the pages of an fp32 cache in the same budget), the
+    residual stream's elsewhere; the same greedy ids as a contiguous reference either way here."""
+    w4a8 = load_llama(load_format="dummy", config=CFG, seed=2, quantization="w4a8")
+    budget = 120 * MIB
+    half = DecoderRunner(w4a8, None, DecoderRunnerConfig(budget_bytes=budget, page_size=4))
+    full = DecoderRunner(w4a8, None, DecoderRunnerConfig(budget_bytes=budget, page_size=4, kv_cache_dtype="model"))
+    assert half.cache.kv.dtype == torch.float16 and full.cache.kv.dtype == torch.float32
+    assert half.plan.num_pages + 1 == 2 * (full.plan.num_pages + 1)
+    prompt = [5, 9, 11, 2, 30]
+    outputs = [run(r, {"a": Request(prompt, max_new_tokens=8)})["a"].output for r in (half, full)]
+    assert outputs[0] == outputs[1] == greedy_contiguous(w4a8, prompt, 8)
+    assert DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=budget)).cache.kv.dtype == torch.float32
+    with pytest.raises(ValueError, match="kv_cache_dtype: fp16 needs the fused"):
+        DecoderRunner(model, None, DecoderRunnerConfig(budget_bytes=budget, kv_cache_dtype="fp16"))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        DecoderRunnerConfig(budget_bytes=budget, kv_cache_dtype="bf16")
+
+
 @pytest.mark.parametrize("kind", ["fp32", "int8", "int4"])
 def test_min_invariant_rows_is_found(kind: str) -> None:
     linear = torch.nn.Linear(64, 192, bias=False)
@@ -224,6 +243,8 @@ def _ctx(args: dict[str, Any], budget: int = 2 << 30) -> StageContext:
         ({"page_size": 0}, "factory_args.page_size"),
         ({"num_threads": 0}, "factory_args.num_threads"),
         ({"compile": "yes"}, "factory_args.compile"),
+        ({"kv_cache_dtype": "fp8"}, "factory_args.kv_cache_dtype.*must be one of"),
+        ({"quantization": "int4", "kv_cache_dtype": "fp16"}, "kv_cache_dtype: fp16 needs the fused C"),
         ({"sampling": {"top_k": -1}}, "factory_args.sampling.*top_k"),
         ({"model": "/nonexistent"}, "factory_args.model"),
     ],

@@ -9,6 +9,7 @@
 // invariant, prefill rows included (each prefill row attends its own causal prefix of the cache).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -109,6 +110,27 @@ void rope_head(float* x, const float* cos, const float* sin_signed, int64_t d) {
   for (int64_t i = half; i < d; ++i) x[i] = tmp[i] * cos[i] + tmp[i - half] * sin_signed[i];
 }
 
+// One row's keys or values into the cache: copied, or rounded to fp16 (nearest even, F16C).
+VS_AVX2 void to_half_f16c(const float* x, int64_t n, uint16_t* y) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  for (; i < n; ++i) y[i] = c10::Half(x[i]).x;
+}
+
+void store_kv(const float* x, int64_t n, bool is_half, char* dst) {
+  if (!is_half) {
+    std::memcpy(dst, x, static_cast<size_t>(n) * sizeof(float));
+  } else if (host_impl() >= kAvx2) {
+    to_half_f16c(x, n, reinterpret_cast<uint16_t*>(dst));
+  } else {
+    uint16_t* y = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) y[i] = c10::Half(x[i]).x;
+  }
+}
+
 void add_rows(float* x, const float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += y[i];
 }
@@ -122,7 +144,8 @@ struct Step {
   const int64_t* slot_mapping;  // [rows]
   const float* cos;             // [rows, D]
   const float* sin;             // [rows, D], signed
-  float* kv;                    // [L, 2, slots, H_kv, D]
+  void* kv;                     // [L, 2, slots, H_kv, D], fp32 or (is_half) fp16
+  bool is_half;
   int64_t slots_per_layer;      // (num_pages + 1) * page_size
   int64_t page_size;
   const int64_t* page_index;
@@ -143,19 +166,20 @@ void run_layer(Impl impl, Stack& st, int64_t li, float* x, const Step& s) {
   for (int64_t r = 0; r < m; ++r) norm(x + r * h, layer.input_norm, h, st.eps, st.normed.data() + r * h);
   float* qkv = st.qkv.data();
   linear(impl, st, st.normed.data(), m, h, layer.qkv, qkv);
-  const int64_t plane = s.slots_per_layer * nkv * d;
-  float* k_cache = s.kv + 2 * li * plane;
-  float* v_cache = k_cache + plane;
+  const int64_t plane = s.slots_per_layer * nkv * d;  // elements
+  const int64_t elem = s.is_half ? 2 : 4;
+  char* k_cache = static_cast<char*>(s.kv) + 2 * li * plane * elem;
+  char* v_cache = k_cache + plane * elem;
   for (int64_t r = 0; r < m; ++r) {
     float* row = qkv + r * width;
     for (int64_t head = 0; head < nh + nkv; ++head) rope_head(row + head * d, s.cos + r * d, s.sin + r * d, d);
     const int64_t slot = s.slot_mapping[r];
-    std::memcpy(k_cache + slot * nkv * d, row + nh * d, static_cast<size_t>(nkv * d) * sizeof(float));
-    std::memcpy(v_cache + slot * nkv * d, row + (nh + nkv) * d, static_cast<size_t>(nkv * d) * sizeof(float));
+    store_kv(row + nh * d, nkv * d, s.is_half, k_cache + slot * nkv * d * elem);
+    store_kv(row + (nh + nkv) * d, nkv * d, s.is_half, v_cache + slot * nkv * d * elem);
   }
   float* attn = st.attn.data();
   std::memset(attn, 0, static_cast<size_t>(m * nh * d) * sizeof(float));
-  const AttnProblem p{qkv, width, d, k_cache, v_cache, s.page_index, s.page_size, nh, nkv, d,
+  const AttnProblem p{qkv, width, d, k_cache, v_cache, s.is_half, s.page_index, s.page_size, nh, nkv, d,
                       1.0f / std::sqrt(static_cast<float>(d)), attn};
   paged_attention(p, s.seqs.data(), static_cast<int64_t>(s.seqs.size()), vec);
   float* proj = st.proj.data();
@@ -253,8 +277,8 @@ void decoder_stack_run(int64_t handle, at::Tensor x, at::Tensor kv, const at::Te
   TORCH_CHECK(x.dim() == 2 && x.size(1) == st.hidden && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be contiguous fp32 [rows, ", st.hidden, "]");
   TORCH_CHECK(kv.dim() == 6 && kv.size(0) == num_layers && kv.size(1) == 2 && kv.size(4) == nkv && kv.size(5) == d &&
-                  kv.scalar_type() == at::kFloat && kv.is_contiguous(),
-              "kv must be contiguous fp32 [", num_layers, ", 2, pages, page_size, ", nkv, ", ", d, "]");
+                  (kv.scalar_type() == at::kFloat || kv.scalar_type() == at::kHalf) && kv.is_contiguous(),
+              "kv must be contiguous fp32 or fp16 [", num_layers, ", 2, pages, page_size, ", nkv, ", ", d, "]");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == m,
               "slot_mapping must be int64 [rows]");
   for (const auto& t : {cos, sin}) {
@@ -264,8 +288,8 @@ void decoder_stack_run(int64_t handle, at::Tensor x, at::Tensor kv, const at::Te
   TORCH_CHECK(page_index.scalar_type() == at::kLong && page_index.is_contiguous(), "page_index must be int64");
   TORCH_CHECK(row_seqs.dim() == 2 && row_seqs.size(1) == 3 && row_seqs.scalar_type() == at::kLong &&
                   row_seqs.is_contiguous(), "row_seqs must be int64 [S, 3]");
-  Step s{m, slot_mapping.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), kv.data_ptr<float>(),
-         kv.size(2) * kv.size(3), kv.size(3), page_index.data_ptr<int64_t>(), {}};
+  Step s{m, slot_mapping.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(), kv.data_ptr(),
+         kv.scalar_type() == at::kHalf, kv.size(2) * kv.size(3), kv.size(3), page_index.data_ptr<int64_t>(), {}};
   for (int64_t r = 0; r < m; ++r) {
     TORCH_CHECK(s.slot_mapping[r] >= 0 && s.slot_mapping[r] < s.slots_per_layer, "slot_mapping row ", r, " out of range");
   }

@@ -48,8 +48,9 @@ struct AttnSeq {
 struct AttnProblem {
   const float* q;  // [rows, H, D] with strides q_row, q_head (D contiguous)
   int64_t q_row, q_head;
-  const float* k;  // [pages, page_size, H_kv, D] contiguous
-  const float* v;
+  const void* k;  // [pages, page_size, H_kv, D] contiguous, fp32 or (is_half) fp16
+  const void* v;
+  bool is_half;
   const int64_t* page_index;
   int64_t page_size, num_heads, num_kv_heads, head_dim;
   float scale;

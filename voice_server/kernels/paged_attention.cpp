@@ -1,6 +1,6 @@
 // Decode attention straight from the paged KV cache: one query row per sequence, keys and values
-// read page by page through the page table (no gather), GQA, fp32, softmax over the exact kv_len
-// keys. Each (sequence, KV head) is computed alone and in a fixed order, so a sequence's output does
+// (fp32, or fp16 widened on load) read page by page through the page table (no gather), GQA, fp32
+// arithmetic, softmax over the exact kv_len keys. Each (sequence, KV head) is computed alone and in a fixed order, so a sequence's output does
 // not depend on the others in the step (batch invariant) nor on the thread count.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,6 +29,11 @@ void slot_offsets(const AttnProblem& p, const AttnSeq& s, int64_t g, std::vector
   }
 }
 
+inline float kv_at(const void* base, int64_t i, bool is_half) {
+  if (!is_half) return static_cast<const float*>(base)[i];
+  return static_cast<float>(c10::Half(static_cast<const uint16_t*>(base)[i], c10::Half::from_bits()));
+}
+
 struct Scratch {
   std::vector<float> scores;
   std::vector<int64_t> offs;
@@ -43,11 +48,10 @@ void attend_scalar(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& s
   slot_offsets(p, s, g, scratch.offs);
   scores.assign(group * s.kv_len, 0.0f);
   for (int64_t t = 0; t < s.kv_len; ++t) {
-    const float* kp = p.k + offs[t];
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = p.q + s.row * p.q_row + (g * group + h) * p.q_head;
       float acc = 0.0f;
-      for (int64_t i = 0; i < d; ++i) acc += qh[i] * kp[i];
+      for (int64_t i = 0; i < d; ++i) acc += qh[i] * kv_at(p.k, offs[t] + i, p.is_half);
       scores[h * s.kv_len + t] = acc * p.scale;
     }
   }
@@ -62,7 +66,7 @@ void attend_scalar(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& s
     float* o = p.out + (s.row * p.num_heads + g * group + h) * d;
     std::fill(o, o + d, 0.0f);
     for (int64_t t = 0; t < s.kv_len; ++t) {
-      for (int64_t i = 0; i < d; ++i) o[i] += sc[t] * p.v[offs[t] + i];
+      for (int64_t i = 0; i < d; ++i) o[i] += sc[t] * kv_at(p.v, offs[t] + i, p.is_half);
     }
     const float inv = 1.0f / sum;
     for (int64_t i = 0; i < d; ++i) o[i] *= inv;
@@ -91,15 +95,26 @@ VS_AVX512 inline __m512 reduce16(const float* vecs) {
 // most of them (30 layers of 8 sequences: 108 us per call from memory vs 39 us from cache).
 constexpr int64_t kPrefetch = 16;  // keys ahead
 
-template <int NV>
-inline void prefetch_row(const float* row) {
-  for (int j = 0; j < NV; ++j) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * j), _MM_HINT_T0);
+// The cache lines of one key's D values (offset `off` elements into `base`).
+template <int NV, bool Half>
+inline void prefetch_row(const void* base, int64_t off) {
+  const char* row = static_cast<const char*>(base) + off * (Half ? 2 : 4);
+  for (int j = 0; j < (Half ? (NV + 1) / 2 : NV); ++j) _mm_prefetch(row + 64 * j, _MM_HINT_T0);
+}
+
+// 16 values of a key or value row from `off + 16 * j` elements into `base`, as fp32.
+template <bool Half>
+VS_AVX512 inline __m512 load16(const void* base, int64_t off) {
+  if (Half) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + off)));
+  }
+  return _mm512_loadu_ps(static_cast<const float*>(base) + off);
 }
 
 constexpr int kHeadsPerPass = 4;  // query heads of a KV head scored together (K and V read once each)
 
 // NV = head_dim / 16 (1..16).
-template <int NV>
+template <int NV, bool Half>
 VS_AVX512 void attend_avx512(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
   const int64_t padded = (s.kv_len + 15) / 16 * 16;
@@ -111,19 +126,19 @@ VS_AVX512 void attend_avx512(const AttnProblem& p, const AttnSeq& s, int64_t g, 
   float* parts = scratch.parts.data();
   const __m512 scale = _mm512_set1_ps(p.scale);
   for (int64_t t = 0; t < std::min(kPrefetch, s.kv_len); ++t) {
-    prefetch_row<NV>(p.k + offs[t]);
-    prefetch_row<NV>(p.v + offs[t]);
+    prefetch_row<NV, Half>(p.k, offs[t]);
+    prefetch_row<NV, Half>(p.v, offs[t]);
   }
   for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
     const int hn = static_cast<int>(std::min<int64_t>(kHeadsPerPass, group - h0));
     const float* q0 = p.q + s.row * p.q_row + (g * group + h0) * p.q_head;
     // Scores: per key, one partial vector per head; every 16 keys, one transposing reduction.
     for (int64_t t = 0; t < s.kv_len; ++t) {
-      if (t + kPrefetch < s.kv_len) prefetch_row<NV>(p.k + offs[t + kPrefetch]);
+      if (t + kPrefetch < s.kv_len) prefetch_row<NV, Half>(p.k, offs[t + kPrefetch]);
       // NOTE: the values too, for the pass after the softmax (a sequence's are ~30 KB: they stay in L1/L2).
-      if (h0 == 0 && t + kPrefetch < s.kv_len) prefetch_row<NV>(p.v + offs[t + kPrefetch]);
+      if (h0 == 0 && t + kPrefetch < s.kv_len) prefetch_row<NV, Half>(p.v, offs[t + kPrefetch]);
       __m512 kv[NV];
-      for (int j = 0; j < NV; ++j) kv[j] = _mm512_loadu_ps(p.k + offs[t] + 16 * j);
+      for (int j = 0; j < NV; ++j) kv[j] = load16<Half>(p.k, offs[t] + 16 * j);
       const int64_t lane = t % 16;
       for (int h = 0; h < hn; ++h) {
         const float* qh = q0 + h * p.q_head;
@@ -159,9 +174,9 @@ VS_AVX512 void attend_avx512(const AttnProblem& p, const AttnSeq& s, int64_t g, 
       for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_setzero_ps();
     }
     for (int64_t t = 0; t < s.kv_len; ++t) {
-      if (t + kPrefetch < s.kv_len) prefetch_row<NV>(p.v + offs[t + kPrefetch]);
+      if (t + kPrefetch < s.kv_len) prefetch_row<NV, Half>(p.v, offs[t + kPrefetch]);
       __m512 vv[NV];
-      for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(p.v + offs[t] + 16 * j);
+      for (int j = 0; j < NV; ++j) vv[j] = load16<Half>(p.v, offs[t] + 16 * j);
       for (int h = 0; h < hn; ++h) {
         const __m512 w = _mm512_set1_ps(scores[(h0 + h) * padded + t]);
         for (int j = 0; j < NV; ++j) acc[h][j] = _mm512_fmadd_ps(w, vv[j], acc[h][j]);
@@ -178,9 +193,9 @@ VS_AVX512 void attend_avx512(const AttnProblem& p, const AttnSeq& s, int64_t g, 
 using AttendFn = void (*)(const AttnProblem&, const AttnSeq&, int64_t, Scratch&);
 
 template <int... NV>
-AttendFn pick_attend(int64_t nv, std::integer_sequence<int, NV...>) {
+AttendFn pick_attend(int64_t nv, bool is_half, std::integer_sequence<int, NV...>) {
   AttendFn fn = nullptr;
-  ((nv == NV + 1 ? (fn = &attend_avx512<NV + 1>, 0) : 0), ...);
+  ((nv == NV + 1 ? (fn = is_half ? &attend_avx512<NV + 1, true> : &attend_avx512<NV + 1, false>, 0) : 0), ...);
   return fn;
 }
 
@@ -195,7 +210,8 @@ bool host_has_avx512() {
 }
 
 void paged_attention(const AttnProblem& p, const AttnSeq* seqs, int64_t num_seqs, bool is_vector) {
-  const AttendFn attend = is_vector ? pick_attend(p.head_dim / 16, std::make_integer_sequence<int, 16>()) : nullptr;
+  const AttendFn attend =
+      is_vector ? pick_attend(p.head_dim / 16, p.is_half, std::make_integer_sequence<int, 16>()) : nullptr;
   const int64_t kv_heads = p.num_kv_heads;
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
@@ -214,9 +230,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, cons
                             const at::Tensor& page_index, const at::Tensor& seqs, double scale, at::Tensor out,
                             int64_t impl) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q must be fp32 [rows, H, D]");
-  TORCH_CHECK(k_pages.dim() == 4 && k_pages.scalar_type() == at::kFloat && k_pages.is_contiguous() &&
-                  v_pages.sizes() == k_pages.sizes() && v_pages.scalar_type() == at::kFloat && v_pages.is_contiguous(),
-              "k_pages/v_pages must be contiguous fp32 [pages, page_size, H_kv, D]");
+  const bool is_half = k_pages.scalar_type() == at::kHalf;
+  TORCH_CHECK(k_pages.dim() == 4 && (is_half || k_pages.scalar_type() == at::kFloat) && k_pages.is_contiguous() &&
+                  v_pages.sizes() == k_pages.sizes() && v_pages.scalar_type() == k_pages.scalar_type() &&
+                  v_pages.is_contiguous(),
+              "k_pages/v_pages must be contiguous fp32 or fp16 [pages, page_size, H_kv, D]");
   TORCH_CHECK(page_index.scalar_type() == at::kLong && page_index.is_contiguous(), "page_index must be int64");
   TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 3 && seqs.scalar_type() == at::kLong && seqs.is_contiguous(),
               "seqs must be int64 [S, 3]");
@@ -225,8 +243,8 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, cons
   const int64_t heads = q.size(1), d = q.size(2), kv_heads = k_pages.size(2);
   TORCH_CHECK(k_pages.size(3) == d && heads % kv_heads == 0, "head_dim or head counts do not match");
   const bool vector = impl != 1 && host_has_avx512() && d % 16 == 0 && d <= 256;
-  const AttnProblem p{q.data_ptr<float>(), q.stride(0), q.stride(1), k_pages.data_ptr<float>(),
-                      v_pages.data_ptr<float>(), page_index.data_ptr<int64_t>(), k_pages.size(1), heads, kv_heads, d,
+  const AttnProblem p{q.data_ptr<float>(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(),
+                      is_half, page_index.data_ptr<int64_t>(), k_pages.size(1), heads, kv_heads, d,
                       static_cast<float>(scale), out.data_ptr<float>()};
   const int64_t* sp = seqs.data_ptr<int64_t>();
   const int64_t num_seqs = seqs.size(0), num_pages = page_index.numel();

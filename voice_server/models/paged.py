@@ -30,10 +30,10 @@ from voice_server.models.layers import causal_mask
 
 
 def decode_kernel_usable(dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether `paged_decode_attention` serves this cache: fp32 on a CPU whose kernels run AVX512
-    (its scalar path is only the reference, slower than SDPA)."""
+    """Whether `paged_decode_attention` serves this cache: fp32 (or fp16, which only the fused layers
+    write) on a CPU whose kernels run AVX512 (its scalar path is only the reference, slower than SDPA)."""
     return (
-        dtype == torch.float32 and torch.device(device).type == "cpu" and kernels.available()
+        dtype in (torch.float32, torch.float16) and torch.device(device).type == "cpu" and kernels.available()
         and kernels.best_impl() >= kernels.IMPLS["avx512"]
     )
 
@@ -166,6 +166,11 @@ class AttentionContext:
     ) -> torch.Tensor:
         """q [1, H, num_rows, D], k/v [1, H_kv, num_rows, D] (rotated) -> attention output like q."""
         cache = self.cache
+        if cache.kv.dtype != q.dtype:
+            raise ValueError(
+                f"a {cache.kv.dtype} KV cache with {q.dtype} activations: only the fused C++ layers "
+                "(voice_server.models.llama.fused) write and read an fp16 cache"
+            )
         k_pages, v_pages = cache.write(layer_idx, self.slot_mapping, k, v, sliding_window)
         if self.decode_seqs is not None:
             return self._attend_with_kernel(q, k_pages, v_pages)

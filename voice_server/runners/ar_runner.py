@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from voice_server.models.llama import GGUFTokenizer, LlamaConfig, LlamaForCausalLM
-from voice_server.models.paged import AttentionContext, PagedKVCache, build_attention_context
+from voice_server.models.paged import AttentionContext, PagedKVCache, build_attention_context, decode_kernel_usable
 from voice_server.models.quant import LINEAR_TYPES
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.compiled import CompiledDecodeStep
@@ -32,6 +32,9 @@ from voice_server.scheduling import Runner, WorkItem
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SamplingParams, SeqOutput
 
 log = logging.getLogger(__name__)
+
+
+KV_CACHE_DTYPES = ("auto", "model", "fp16")
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,10 @@ class DecoderRunnerConfig:
     sequence gives the same logits alone and in any batch (costs single-stream decode speed)."""
     sampler_seed: int | None = None
     """Seeds the generators of requests that give no seed (None: nondeterministic)."""
+    kv_cache_dtype: str = "auto"
+    """`auto`: fp16 where the model's layers run as one C++ call per step (w4a8 on an AVX512 CPU:
+    half the cache memory and half the attention's memory traffic, llama.cpp's default), else `model`;
+    `model`: the residual stream's dtype; `fp16`: refused where the fused layers do not run."""
     compile: bool = False
     """Run steps of one decode row (single-stream decode) through `CompiledDecodeStep`, compiled by
     AOTInductor at start-up (~30 s; the weights are held twice, and the KV sizing counts them twice;
@@ -62,10 +69,29 @@ class DecoderRunnerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecoderRunnerConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"DecoderRunnerConfig.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.max_model_len is not None and (
             isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2
         ):
             raise ValueError(f"DecoderRunnerConfig.max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+
+def kv_cache_dtype_for(model: nn.Module, residual_dtype: torch.dtype, device: torch.device,
+                       kv_cache_dtype: str = "auto", is_compiled: bool = False) -> torch.dtype:
+    """The KV cache's dtype for `model` (`DecoderRunnerConfig.kv_cache_dtype`)."""
+    # NOTE: only the fused layers write and read an fp16 cache under fp32 activations; a compiled
+    # step reads the cache in the residual dtype.
+    is_half_ok = (
+        isinstance(model, LlamaForCausalLM) and not is_compiled and residual_dtype == torch.float32
+        and decode_kernel_usable(torch.float16, device) and model.fused_layers() is not None
+    )
+    if kv_cache_dtype == "fp16" and not is_half_ok:
+        raise ValueError("DecoderRunnerConfig.kv_cache_dtype: fp16 needs the fused C++ layers (a w4a8 "
+                         "Llama-family model with fp32 activations on an AVX512 CPU, compile off)")
+    return torch.float16 if is_half_ok and kv_cache_dtype != "model" else residual_dtype
 
 
 @dataclass(frozen=True)
@@ -109,10 +135,11 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         assert norm_weight is not None, "a non-Llama decoder names its final norm weight"
         cfg = shape
         self.model, self.tokenizer, self.config, self.shape = model, tokenizer, config, shape
-        # NOTE: the final norm's dtype is the residual stream's, which the KV cache takes (quantised
-        # models hold int8/int4 weights next to it).
+        # NOTE: the final norm's dtype is the residual stream's (quantised models hold int8/int4
+        # weights next to it), which the KV cache takes unless it is fp16 (`kv_cache_dtype`).
         self.device, self.dtype = norm_weight.device, norm_weight.dtype
         elem = norm_weight.element_size()
+        kv_dtype = kv_cache_dtype_for(model, self.dtype, self.device, config.kv_cache_dtype, config.compile)
         # NOTE: a compiled decode step holds the weights a second time, as constants of its library.
         num_weight_bytes = weight_bytes(model) * (2 if config.compile else 1)
         self.plan: KVPlan = plan_kv_cache(
@@ -127,7 +154,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
                 elem,
             ),
             bytes_per_page=PagedKVCache.bytes_per_page(
-                cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype
+                cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype
             ),
             page_size=config.page_size,
             max_model_len=min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings),
@@ -138,7 +165,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             config.page_size,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.dtype,
+            kv_dtype,
             self.device,
         )
         eos = list(cfg.eos_token_ids)
@@ -172,11 +199,12 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         elif config.compile:
             raise ValueError("compile: only Llama-family decoders have a compiled decode step")
         log.info(
-            "KV cache: %d pages x %d tokens = %d tokens (%.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
+            "KV cache: %d pages x %d tokens = %d tokens (%s, %.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
             "max_model_len %d, %d-row steps",
             self.plan.num_pages,
             self.plan.page_size,
             self.plan.num_tokens,
+            str(kv_dtype).removeprefix("torch."),
             self.plan.kv_bytes / 2**20,
             self.plan.weight_bytes / 2**20,
             self.plan.reserve_bytes / 2**20,

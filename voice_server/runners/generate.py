@@ -12,7 +12,7 @@ import torch
 from voice_server.engine.local import LocalOutcome, LocalRequest, LocalStage
 from voice_server.models.llama import LlamaForCausalLM
 from voice_server.models.paged import PagedKVCache, build_attention_context
-from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig
+from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig, kv_cache_dtype_for
 from voice_server.runners.sizing import activation_reserve_bytes, weight_bytes
 from voice_server.scheduling import ARScheduler
 
@@ -21,8 +21,9 @@ def budget_for(model: LlamaForCausalLM, num_tokens: int, page_size: int = 16, ma
                max_num_seqs: int = 8) -> int:
     """A memory budget that holds the weights, the activation reserve and `num_tokens` of KV cache."""
     cfg = model.config
-    kv_dtype = model.model.norm.weight.dtype  # NOTE: the residual stream's, as the runner's KV cache
-    elem = torch.empty((), dtype=kv_dtype).element_size()
+    residual = model.model.norm.weight
+    kv_dtype = kv_cache_dtype_for(model, residual.dtype, residual.device)  # NOTE: as the runner's KV cache
+    elem = residual.element_size()
     reserve = activation_reserve_bytes(max_step_tokens, max_num_seqs, cfg.hidden_size, cfg.intermediate_size,
                                        cfg.vocab_size, elem)
     per_page = PagedKVCache.bytes_per_page(cfg.num_hidden_layers, page_size, cfg.num_key_value_heads,
@@ -65,8 +66,9 @@ def forced_next_ids(model: LlamaForCausalLM, input_ids: Sequence[int], tokens: S
         raise ValueError("input_ids and tokens must not be empty")
     cfg = model.config
     num_pages = -(-len(ids) // page_size)
+    residual = model.model.norm.weight
     cache = PagedKVCache(cfg.num_hidden_layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim,
-                         model.model.norm.weight.dtype)
+                         kv_cache_dtype_for(model, residual.dtype, residual.device), residual.device)
     ctx, positions = build_attention_context(cache, [(0, len(ids), list(range(num_pages)))], len(ids))
     rows = torch.arange(len(input_ids) - 1, len(ids))
     with torch.no_grad():

