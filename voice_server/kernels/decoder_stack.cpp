@@ -4,6 +4,8 @@
 // down_proj, residual. In Python the same step was ~1,900 small torch ops whose dispatch cost more
 // than their arithmetic (3-4 ms of a 9 ms single-row step, SmolLM2-135M, 1 thread).
 //
+// The paged cache is fp32 or fp16 (keys and values rounded to nearest on write, widened on read).
+//
 // Every operation is row by row (the matmuls quantise each row on its own, attention takes each
 // row's own keys), so a row's result does not depend on the other rows of the step: batch
 // invariant, prefill rows included (each prefill row attends its own causal prefix of the cache).

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
