@@ -12,7 +12,9 @@ head_dim 64): ~40 us per call, so ~10 ms per step for 8 sequences x 30 layers. W
 run (`voice_server/kernels`, AVX512, fp32 cache), decode rows instead go through one
 `paged_decode_attention` call per layer that reads keys and values straight from the pages (no
 gather) and computes each sequence on its own: batch invariant too, equal to SDPA within fp32
-rounding; prefill spans keep SDPA.
+rounding; prefill spans keep SDPA. A w4a8 Llama-family model there skips `attend` altogether: its
+fused C++ layers (`voice_server.models.llama.fused`) write the cache and attend every row themselves,
+and may keep the cache in fp16, which `attend` refuses.
 """
 
 from __future__ import annotations
