@@ -165,6 +165,7 @@ void run_layer(Impl impl, Stack& st, int64_t li, float* x, const Step& s) {
   const int64_t width = (nh + 2 * nkv) * d, inter = st.intermediate;
   const bool vec = impl == kAvx512;
   auto norm = vec ? rms_norm_avx512 : rms_norm_scalar;
+  auto silu_mul = vec ? silu_mul_avx512 : silu_mul_scalar;
   for (int64_t r = 0; r < m; ++r) norm(x + r * h, layer.input_norm, h, st.eps, st.normed.data() + r * h);
   float* qkv = st.qkv.data();
   linear(impl, st, st.normed.data(), m, h, layer.qkv, qkv);
@@ -193,8 +194,7 @@ void run_layer(Impl impl, Stack& st, int64_t li, float* x, const Step& s) {
   float* act = st.act.data();
   for (int64_t r = 0; r < m; ++r) {
     const float* gu = gate_up + r * 2 * inter;
-    if (vec) silu_mul_avx512(gu, gu + inter, inter, act + r * inter);
-    else silu_mul_scalar(gu, gu + inter, inter, act + r * inter);
+    silu_mul(gu, gu + inter, inter, act + r * inter);
   }
   linear(impl, st, act, m, inter, layer.down, proj);
   for (int64_t r = 0; r < m; ++r) add_rows(x + r * h, proj + r * h, h);

@@ -61,9 +61,9 @@ def forced_next_ids(model: LlamaForCausalLM, input_ids: Sequence[int], tokens: S
     paged prefill of prompt + tokens[:-1] (the forward the runner runs). Against another model's
     greedy `tokens` it scores numerics position by position: one near-tie flip costs one position,
     not the rest of the sequence as in free-running greedy agreement."""
-    ids = [int(t) for t in input_ids] + [int(t) for t in tokens[:-1]]
     if not input_ids or not tokens:
         raise ValueError("input_ids and tokens must not be empty")
+    ids = [int(t) for t in input_ids] + [int(t) for t in tokens[:-1]]
     cfg = model.config
     num_pages = -(-len(ids) // page_size)
     residual = model.model.norm.weight
