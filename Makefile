@@ -7,7 +7,7 @@ CONFIG ?= configs/default.yaml
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install install-serve run test lint typecheck unit bench bench-pipeline bench-llm loadtest faults-long clean
+.PHONY: system-deps install install-serve run test lint typecheck unit bench bench-pipeline bench-llm loadtest faults-long clean
 
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
@@ -43,7 +43,30 @@ typecheck: install
 unit: install
 	OMP_NUM_THREADS=1 VOICE_SERVER_NO_SKIP=1 $(VENV)/bin/pytest -q -p no:cacheprovider
 
-test: lint typecheck unit
+# NOTE: what the tests drive besides Python packages (Debian/Ubuntu names): chromium (tests/web), nginx
+# (tests/load/test_replicas.py), g++ (the C++ kernels' tests) and python3-venv (the .venv). Missing ones are
+# installed with apt-get as root, or through sudo when it asks no password; otherwise one line names them and
+# the command, before anything else runs (exit 2). `.ci/run` calls `make test`, so CI and a user set up alike.
+system-deps:
+	@missing=""; \
+	[ -x "$${VOICE_SERVER_CHROMIUM:-/usr/bin/chromium}" ] || missing="$$missing chromium"; \
+	if [ -n "$${VOICE_SERVER_NGINX+set}" ]; then command -v "$$VOICE_SERVER_NGINX" >/dev/null || missing="$$missing nginx"; \
+	else PATH="$$PATH:/usr/sbin:/usr/local/sbin" command -v nginx >/dev/null || missing="$$missing nginx"; fi; \
+	command -v g++ >/dev/null || missing="$$missing g++"; \
+	python3 -c 'import ensurepip' 2>/dev/null || [ -x $(PY) ] || missing="$$missing python3-venv"; \
+	[ -z "$$missing" ] && exit 0; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo="sudo"; \
+	else sudo="none"; fi; \
+	if [ "$$sudo" = none ] || ! command -v apt-get >/dev/null; then \
+		echo "make test needs system packages:$$missing; install them (sudo apt-get install -y$$missing) and rerun" >&2; \
+		exit 2; \
+	fi; \
+	echo "make test: installing$$missing with apt-get (once)"; \
+	export DEBIAN_FRONTEND=noninteractive; \
+	$$sudo apt-get update -q && $$sudo apt-get install -y -q$$missing
+
+test: system-deps
+	$(MAKE) --no-print-directory lint typecheck unit
 
 bench: install
 	OMP_NUM_THREADS=1 $(PY) loadtest/bench_relay.py
