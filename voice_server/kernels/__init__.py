@@ -3,10 +3,15 @@
 `block_a8.cpp` (block-quantised linears; their activations quantised by `quantize_a8.cpp`),
 `paged_attention.cpp` (decode attention over the paged KV cache) and `decoder_stack.cpp` (a w4a8
 dense decoder's layers in one call per step), with their shared header `kernels.h`, are built by
-`torch.utils.cpp_extension.load` into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`), not the repository; later processes load the cached library (rebuilt
-only when the sources, the header or the flags change). The kernels pick their vector path
-(AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no `-march` is needed.
+`torch.utils.cpp_extension.load` into torch's extension cache, which is per user (`$TORCH_EXTENSIONS_DIR`,
+default `~/.cache/torch_extensions`), not the repository: each user (and each `$TORCH_EXTENSIONS_DIR`) builds
+once, and their later processes load the cached library (rebuilt only when the sources, the header or the
+flags change). The kernels pick their vector path (AVX512-VNNI, AVX2, scalar) from cpuid at run time, so no
+`-march` is needed; `VOICE_SERVER_KERNEL_ISA=avx2` (or `scalar`) caps it, to run an AVX2-only CPU's path here.
+
+Builders take turns under an flock on `<build dir>/voice_server.flock`: torch's own lock is a file
+(`<build dir>/lock`) that a SIGKILLed builder leaves behind and every later one waits on forever; the
+kernel drops an flock when its holder dies, so whoever holds ours knows such a file is stale and removes it.
 
 Without a compiler or ninja, or with `VOICE_SERVER_NO_KERNELS=1`, `available()` is False after one
 logged warning and callers use torch's own kernels.
@@ -14,6 +19,8 @@ logged warning and callers use torch's own kernels.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -21,6 +28,7 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,7 +36,13 @@ import torch
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "VOICE_SERVER_NO_KERNELS"
+ISA_ENV = "VOICE_SERVER_KERNEL_ISA"
 _NAME = "voice_server_kernels"
+_FLOCK = "voice_server.flock"
+"""Our build lock, in the build directory (torch's is `lock` there)."""
+_ORPHAN_WAIT_S = 60.0
+"""At most this long for a killed builder's compilers to finish: under a stage's `startup_timeout_s` (120 s
+by default), since a process that merely sits in the build directory (a shell) never does."""
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("quantize_a8.cpp", "block_a8.cpp",
                                                                "paged_attention.cpp", "decoder_stack.cpp"))
 _HEADERS = (Path(__file__).with_name("kernels.h"),)
@@ -56,15 +70,20 @@ def available() -> bool:
         # which is not on PATH when the venv's python is run without activating the venv (`make run`).
         os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import _get_build_directory, load
 
-        load(
-            name=_NAME,
-            sources=[str(p) for p in _SOURCES],
-            extra_cflags=[*_CFLAGS, f"-DVS_HEADERS_HASH={_headers_hash()}"],
-            is_python_module=False,
-            verbose=False,
-        )
+        # NOTE: the directory `load` would pick (honours $TORCH_EXTENSIONS_DIR; creates it), passed to
+        # it explicitly so that our lock and torch's build always share one directory.
+        build_dir = _get_build_directory(_NAME, verbose=False)
+        with _build_lock(build_dir):
+            load(
+                name=_NAME,
+                sources=[str(p) for p in _SOURCES],
+                extra_cflags=[*_CFLAGS, f"-DVS_HEADERS_HASH={_headers_hash()}"],
+                build_directory=build_dir,
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # noqa: BLE001 - any build or load failure means "use torch's kernels"
         log.warning("C++ kernels unavailable (%s: %s); using torch's own kernels", type(exc).__name__,
                     str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
@@ -72,6 +91,48 @@ def available() -> bool:
     _register_fakes()
     log.info("C++ kernels ready in %.1f s (impl %d)", time.perf_counter() - start, best_impl())
     return True
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: str) -> Iterator[None]:
+    """Held while this process builds or loads the kernels; clears what a killed builder left."""
+    fd = os.open(os.path.join(build_dir, _FLOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process's build of the C++ kernels in %s", build_dir)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        # NOTE: every voice_server builder holds our flock for as long as torch's `lock` file exists
+        # (a fresh process always takes torch's lock, even to load an up-to-date build), so with the
+        # flock ours that file can only be a killed builder's, and torch would wait on it forever.
+        stale = os.path.join(build_dir, "lock")
+        if os.path.exists(stale):
+            orphans = _running_in(build_dir)
+            log.warning("removing %s, left by a killed build of the C++ kernels%s", stale,
+                        f" (first waiting for the {len(orphans)} processes it left running there)" if orphans else "")
+            # NOTE: ninja gives each compile its own process group, so the builder's death (even with
+            # its group) leaves its compilers running for tens of seconds, writing objects that ours
+            # would compile and link at the same time. What they leave is safe: ninja reruns every
+            # step that .ninja_log does not record as finished, partial object files included.
+            deadline = time.monotonic() + _ORPHAN_WAIT_S
+            while orphans and time.monotonic() < deadline:
+                time.sleep(0.2)
+                orphans = _running_in(build_dir)
+            os.remove(stale)
+        yield
+    finally:
+        os.close(fd)  # NOTE: closing our only descriptor releases the flock
+
+
+def _running_in(build_dir: str) -> list[int]:
+    """Processes (of this user; Linux) whose working directory is `build_dir`: ninja and its compilers."""
+    real, pids = os.path.realpath(build_dir), []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        with contextlib.suppress(OSError):  # NOTE: gone, a zombie, or not ours
+            if pid.isdigit() and os.readlink(f"/proc/{pid}/cwd") == real:
+                pids.append(int(pid))
+    return pids
 
 
 def _headers_hash() -> str:
@@ -104,4 +165,4 @@ def best_impl() -> int:
     return int(torch.ops.voice_server.best_impl())
 
 
-__all__ = ["DISABLE_ENV", "IMPLS", "available", "best_impl"]
+__all__ = ["DISABLE_ENV", "IMPLS", "ISA_ENV", "available", "best_impl"]
