@@ -92,7 +92,7 @@ def main() -> None:
         for num_seqs in (1, 4, 8):
             profile = args.profile and is_invariant and num_seqs == 8
             rate = runner_tok_s(runner, ids, num_seqs, args.tokens, profile)
-            print(f"runner, batch_invariant={is_invariant} ({runner.min_rows}-row steps), {num_seqs} seqs: "
+            print(f"runner, batch_invariant={is_invariant} (steps of {runner.row_plan.describe()}), {num_seqs} seqs: "
                   f"{rate:.1f} tok/s aggregate, {rate / num_seqs:.1f} per seq")
         del runner
 

@@ -27,7 +27,7 @@ from voice_server.models.quant_w4a8 import (
     unpack_q4,
     unpack_q8,
 )
-from voice_server.runners.sizing import min_invariant_rows
+from voice_server.runners.row_plan import RowPlan, probe_row_plan
 
 torch.set_num_threads(1)
 
@@ -118,7 +118,7 @@ def test_batch_invariant(cls: type[BlockA8Linear]) -> None:
             batch = torch.randn(m, 192, generator=gen) * float(m)
             batch[pos] = row[0]
             assert torch.equal(layer(batch)[pos : pos + 1], alone), (m, pos)
-    assert min_invariant_rows([layer], torch.float32) == 1
+    assert probe_row_plan([layer], torch.float32, 64) == (RowPlan(), "")
 
 
 def test_thread_count_invariant() -> None:
@@ -212,3 +212,22 @@ def test_disabled_by_env_falls_back_to_int4() -> None:
     env = {**os.environ, kernels.DISABLE_ENV: "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_isa_cap_runs_a_lesser_cpus_path() -> None:
+    """VOICE_SERVER_KERNEL_ISA caps the vector path (to run an AVX2-only machine's code here); the
+    fused layers, which need AVX-512, then stay off."""
+    assert kernels.available()
+    host = kernels.best_impl()
+    code = (
+        "from voice_server import kernels\n"
+        "from voice_server.models.paged import decode_kernel_usable\n"
+        "import torch\n"
+        "assert kernels.available()\n"
+        "print(kernels.best_impl(), decode_kernel_usable(torch.float32, torch.device('cpu')))\n"
+    )
+    for cap, want in (("avx2", min(host, kernels.IMPLS["avx2"])), ("scalar", kernels.IMPLS["scalar"])):
+        env = {**os.environ, kernels.ISA_ENV: cap}
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == [str(want), "False"], (cap, out.stdout)

@@ -335,7 +335,7 @@ class Coordinator:
             if msg.owner == self.owner:
                 self.slab.ack(msg.slot_ids)
         elif isinstance(msg, Ready):
-            if not self.supervisor.on_ready(msg.process, msg.generation):
+            if not self.supervisor.on_ready(msg.process, msg.generation, msg.facts):
                 self._drop(f"dropped a stale or foreign Ready from {msg.process!r}")
         elif isinstance(msg, Progress):
             self.supervisor.on_progress(msg.process, msg.generation, msg.stage, msg.phase)

@@ -47,6 +47,8 @@ class ProcessHandle:
     last_error: str = ""
     phases: dict[str, str] = field(default_factory=dict)
     """Stage -> its last reported startup phase, for the current generation while it starts."""
+    facts: dict[str, dict[str, bool | int | str]] = field(default_factory=dict)
+    """Stage -> its runner's start-up facts, from the current generation's Ready."""
     retired: list[multiprocessing.process.BaseProcess] = field(default_factory=list)
     """Earlier generations not yet reaped."""
 
@@ -95,6 +97,7 @@ class Launcher:
             handle.retired.append(handle.process)
         handle.generation += 1
         handle.phases.clear()
+        handle.facts.clear()
         handle.process = process
         handle.state = ProcessState.STARTING
         handle.started_at = time.monotonic()

@@ -13,6 +13,7 @@ Grouped by receiver:
 from __future__ import annotations
 
 import dataclasses
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -83,6 +84,8 @@ class Ready:
     process: str
     generation: int
     pid: int
+    facts: dict[str, dict[str, bool | int | str]] = field(default_factory=dict)
+    """Stage name -> its runner's start-up facts (`Runner.facts`), for `/health`."""
 
 
 @dataclass(frozen=True)
@@ -175,6 +178,9 @@ def _type_check(hint: Any) -> typing.Callable[[Any], bool]:
     if origin is dict:
         key, value = _type_check(args[0]), _type_check(args[1])
         return lambda v: isinstance(v, dict) and all(key(k) and value(x) for k, x in v.items())
+    if origin is types.UnionType:
+        alternatives = [_type_check(a) for a in args]
+        return lambda v: any(check(v) for check in alternatives)
     if hint is Any:
         return lambda v: True
     raise TypeError(f"no wire check for {hint!r}")

@@ -116,7 +116,8 @@ class StageShell:
         if not self._await_probe():
             return
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
-        self._send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid()))
+        facts = {name: s.runner.facts() for name, s in self.stages.items()}
+        self._send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid(), facts))
         while self.is_running:
             self._poll_once()
 

@@ -48,12 +48,12 @@ class Supervisor:
 
     # -- messages from the stages ------------------------------------------------------------------
 
-    def on_ready(self, process: str, generation: int) -> bool:
+    def on_ready(self, process: str, generation: int, facts: dict[str, dict[str, bool | int | str]]) -> bool:
         """A Ready message; False if it is stale or foreign (wrong generation or state)."""
         handle = self.launcher.handles.get(process)
         if handle is None or handle.generation != generation or handle.state is not ProcessState.STARTING:
             return False
-        handle.state, handle.ready_at = ProcessState.READY, time.monotonic()
+        handle.state, handle.ready_at, handle.facts = ProcessState.READY, time.monotonic(), dict(facts)
         log.info("stage process '%s' ready (generation %d, pid %s)", process, generation, handle.pid)
         return True
 
@@ -192,6 +192,8 @@ class Supervisor:
             }
             if handle.state is ProcessState.STARTING and stage.name in handle.phases:
                 entry["phase"] = handle.phases[stage.name]
+            if handle.facts.get(stage.name):
+                entry["runner"] = dict(handle.facts[stage.name])
             restart_in_s = self.restart_in_s(handle)
             if restart_in_s is not None:
                 entry["restart_in_s"] = round(restart_in_s, 2)

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include "kernels.h"
@@ -287,12 +288,19 @@ void run_rows(Impl impl, const uint8_t* w, const Acts& a, int64_t row0, int rows
 Impl host_impl() {
   static const Impl impl = [] {
     __builtin_cpu_init();
+    Impl best = kScalar;
     if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
-      return kAvx512;
+      best = kAvx512;
+    } else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+      best = kAvx2;
     }
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
-    return kScalar;
+    // NOTE: VOICE_SERVER_KERNEL_ISA=avx2|scalar caps the path, like torch's ATEN_CPU_CAPABILITY: an
+    // AVX-512 machine then runs what an AVX2-only or a plain x86-64 CPU would (tests, benchmarks).
+    const char* cap = std::getenv("VOICE_SERVER_KERNEL_ISA");
+    if (cap != nullptr && std::strcmp(cap, "avx2") == 0 && best > kAvx2) best = kAvx2;
+    if (cap != nullptr && std::strcmp(cap, "scalar") == 0) best = kScalar;
+    return best;
   }();
   return impl;
 }

@@ -10,7 +10,7 @@
 The C++ op `torch.ops.voice_server.block_a8_linear` (`voice_server/kernels`) does it with
 AVX512-VNNI or AVX2 integer dot products, reading each weight block once for every row of the step.
 A row's result depends on that row only, computed in one fixed order: bit-identical for any row
-count and thread count (`min_invariant_rows` finds 1, the runner pads nothing). Without the
+count and thread count (`probe_row_plan` finds no padding needed). Without the
 kernels, `reference_block_a8` computes the same math in torch (slow; tests and a last resort: the
 loaders pick `int4` instead, `effective_mode`).
 """

@@ -8,8 +8,7 @@
 Batch invariance is exact by construction: a row's scale depends on that row only, the int32
 accumulation is exact whatever kernel the row count selects, and the dequantisation is elementwise
 plain multiplies (no FMA, whose use could differ between a vector body and its tail). So a row gets
-the same bits for every M; `min_invariant_rows` finds 1 for these modules and the runner needs no
-padding rows.
+the same bits for every M; `probe_row_plan` finds no padding needed for these modules.
 
 `_int_mm` kernels (oneDNN s8s8->s32 on CPU; measured on an EPYC with AVX512-VNNI, 1 thread, µs):
 with the weight stored [N, K] and passed as the transposed view, M=1 takes a GEMV path (1728x576:

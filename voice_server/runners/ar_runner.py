@@ -20,14 +20,9 @@ from voice_server.models.quant import LINEAR_TYPES
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.compiled import CompiledDecodeStep
 from voice_server.runners.detok import Detokenizer, token_bytes_table
+from voice_server.runners.row_plan import RowPlan, plan_rows
 from voice_server.runners.sampler import Sampler
-from voice_server.runners.sizing import (
-    KVPlan,
-    activation_reserve_bytes,
-    min_invariant_rows,
-    plan_kv_cache,
-    weight_bytes,
-)
+from voice_server.runners.sizing import KVPlan, activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.scheduling import Runner, WorkItem
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SamplingParams, SeqOutput
 
@@ -50,8 +45,9 @@ class DecoderRunnerConfig:
     """Most sequences one step samples (sizes the logits part of the reserve)."""
     sampling_defaults: SamplingParams = SamplingParams()
     is_batch_invariant: bool = True
-    """Pad every step to the row count from which matrix products are row-independent, so a
-    sequence gives the same logits alone and in any batch (costs single-stream decode speed)."""
+    """Pad every step's rows as the start-up probe finds row-independent (`RowPlan`), so a sequence
+    gives the same logits alone and in any batch (costs single-stream decode speed). Where no padding
+    does it on this CPU's BLAS the runner batches anyway, with one warning (`row_plan`)."""
     sampler_seed: int | None = None
     """Seeds the generators of requests that give no seed (None: nondeterministic)."""
     kv_cache_dtype: str = "auto"
@@ -177,8 +173,15 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             max_model_len=self.plan.max_model_len,
             eos_token_ids=tuple(eos),
         )
-        linears = [m for m in model.modules() if isinstance(m, LINEAR_TYPES)]
-        self.min_rows = min_invariant_rows(linears, self.dtype) if config.is_batch_invariant else 1
+        # NOTE: the head sees one row per sampling sequence, the layers every token of the step: probed
+        # apart, the head only up to max_num_seqs rows (its probe is the costly one, a vocabulary wide).
+        head = getattr(model, "lm_head", None)
+        head = head if isinstance(head, LINEAR_TYPES) else None
+        linears = [m for m in model.modules() if isinstance(m, LINEAR_TYPES) and m is not head]
+        wanted = config.is_batch_invariant
+        self.row_plan: RowPlan = plan_rows(linears, self.dtype, config.max_step_tokens, is_wanted=wanted)
+        self.head_plan: RowPlan = self.row_plan if head is None else plan_rows(
+            [head], self.dtype, config.max_num_seqs, is_wanted=wanted and self.row_plan.is_batch_invariant)
         self.rules = AdmissionRules(
             vocab_size=cfg.vocab_size,
             max_model_len=self.plan.max_model_len,
@@ -200,7 +203,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             raise ValueError("compile: only Llama-family decoders have a compiled decode step")
         log.info(
             "KV cache: %d pages x %d tokens = %d tokens (%s, %.0f MiB; weights %.0f MiB, reserve %.0f MiB), "
-            "max_model_len %d, %d-row steps",
+            "max_model_len %d, steps of %s (head: %s)",
             self.plan.num_pages,
             self.plan.page_size,
             self.plan.num_tokens,
@@ -209,8 +212,19 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             self.plan.weight_bytes / 2**20,
             self.plan.reserve_bytes / 2**20,
             self.plan.max_model_len,
-            self.min_rows,
+            self.row_plan.describe(),
+            self.head_plan.describe(),
         )
+
+    @property
+    def is_batch_invariant(self) -> bool:
+        return self.row_plan.is_batch_invariant and self.head_plan.is_batch_invariant
+
+    def facts(self) -> dict[str, bool | int | str]:
+        return {"batch_invariant": self.is_batch_invariant, "step_rows": self.row_plan.describe()}
+
+    def stats(self) -> dict[str, int]:
+        return {"batch_invariant": int(self.is_batch_invariant)}
 
     def admit(self, item: WorkItem) -> WorkItem:
         return admit(item, self.rules)
@@ -225,7 +239,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         self._check(batch)
         seqs = batch.seqs
         num_tokens = batch.num_tokens
-        num_rows = max(num_tokens, self.min_rows)
+        num_rows = self.row_plan.num_rows(num_tokens)
         ids: list[int] = [t for s in seqs for t in s.token_ids]
         ids.extend([0] * (num_rows - num_tokens))
         ctx, positions = build_attention_context(
@@ -238,10 +252,11 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             if seq.is_sampling:
                 sampling_rows.append(last_row)
         if not sampling_rows:
-            self._forward(seqs, ids, positions, ctx, [0] * self.min_rows)
+            self._forward(seqs, ids, positions, ctx, [0] * self.head_plan.num_rows(1))
             return ARResult(tuple(SeqOutput(None) for _ in seqs))
         # NOTE: the lm_head is a matrix product too: pad its rows like the step's.
-        logits_rows = sampling_rows + [sampling_rows[-1]] * (self.min_rows - len(sampling_rows))
+        num_logits_rows = self.head_plan.num_rows(len(sampling_rows))
+        logits_rows = sampling_rows + [sampling_rows[-1]] * (num_logits_rows - len(sampling_rows))
         logits = self._forward(seqs, ids, positions, ctx, logits_rows)[: len(sampling_rows)]
         sampling = [s for s in seqs if s.is_sampling]
         sampled = self.sampler.sample(

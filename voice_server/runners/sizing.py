@@ -1,19 +1,15 @@
-"""Start-up measurements of an AR runner: how many KV pages fit its memory budget, and from how
-many rows on a step's matrix products give every row the same bits whatever the row count."""
+"""Start-up sizing of an AR runner: how many KV pages fit its memory budget (the rows its steps are
+padded to are `row_plan.py`'s)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 from torch import nn
 
 MIB = 1 << 20
 BASE_RESERVE_BYTES = 96 * MIB
 """Activation headroom besides the per-token estimate: allocator slack, rope tables, sampling."""
-_PROBE_ROW_COUNTS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 33, 64)
 
 
 @dataclass(frozen=True)
@@ -81,41 +77,3 @@ def plan_kv_cache(
         reserve_bytes=reserve_bytes,
         kv_bytes=(num_pages + 1) * bytes_per_page,
     )
-
-
-@torch.no_grad()
-def min_invariant_rows(modules: Iterable[nn.Module], in_dtype: torch.dtype, max_rows: int = 8) -> int:
-    """Smallest row count from which every linear module gives each row the same bits for any row count.
-
-    NOTE: BLAS picks kernels by the row count M. On the reference box (MKL 2024.2, AVX-512) fp32
-    M=1 is a GEMV, M=2..3 one GEMM kernel and M>=4 another, each rounding differently (~1e-6);
-    padding every step to this many rows makes a sequence's logits independent of its batch.
-    Probed on the model's own modules (float or quantised: their kernels choose differently), since
-    the choice may also depend on N and K.
-    """
-    worst = 1
-    gen = torch.Generator().manual_seed(0)
-    seen: set[tuple[Any, ...]] = set()
-    for module in modules:
-        tensors = list(module.parameters()) + list(module.buffers())
-        in_features = getattr(module, "in_features", None)
-        if not tensors or not isinstance(in_features, int):
-            continue
-        weight = max(tensors, key=lambda t: t.numel())
-        key = (type(module), in_features, tuple(weight.shape), tuple(weight.stride()), weight.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        x = torch.randn(max(_PROBE_ROW_COUNTS), in_features, generator=gen).to(weight.device, in_dtype)
-        ref = module(x)
-        agree = [m for m in _PROBE_ROW_COUNTS if torch.equal(module(x[:m]), ref[:m])]
-        # The smallest m such that every probed count from m up agrees.
-        first = max_rows + 1
-        for m in reversed(_PROBE_ROW_COUNTS):
-            if m not in agree:
-                break
-            first = m
-        if first > max_rows:
-            raise RuntimeError(f"rows of {type(module).__name__} depend on the row count beyond {max_rows} for {key}")
-        worst = max(worst, first)
-    return worst

@@ -94,6 +94,11 @@ class Runner(ABC, Generic[BatchT, ResultT]):
         """Counters for the stage's stats reply, next to its scheduler's (e.g. free decoders); empty by default."""
         return {}
 
+    def facts(self) -> dict[str, bool | int | str]:
+        """What the runner settled at start-up that an operator should see (e.g. `batch_invariant`): sent
+        with the stage process's Ready and shown under the stage in `/health`; empty by default."""
+        return {}
+
 
 class BaseScheduler(ABC, Generic[BatchT, ResultT]):
     @abstractmethod
