@@ -16,7 +16,7 @@ from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import ConfigError
 from voice_server.engine.runtime import StageContext
 from voice_server.models.llama import load_llama
-from voice_server.models.paged import PagedKVCache, build_attention_context
+from voice_server.models.paged import PagedKVCache, build_attention_context, decode_kernel_usable
 from voice_server.models.quant import quantize_linear
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
 from voice_server.runners.row_plan import probe_counts, probe_row_plan
@@ -164,8 +164,15 @@ def test_kv_cache_dtype_policy(model: Any) -> None:
     budget = 120 * MIB
     half = DecoderRunner(w4a8, None, DecoderRunnerConfig(budget_bytes=budget, page_size=4))
     full = DecoderRunner(w4a8, None, DecoderRunnerConfig(budget_bytes=budget, page_size=4, kv_cache_dtype="model"))
-    assert half.cache.kv.dtype == torch.float16 and full.cache.kv.dtype == torch.float32
-    assert half.plan.num_pages + 1 == 2 * (full.plan.num_pages + 1)
+    # NOTE: the fused layers need AVX-512 (and the kernels): an AVX2-only CPU keeps the residual dtype.
+    is_fused = decode_kernel_usable(torch.float16, "cpu") and w4a8.fused_layers() is not None
+    assert half.cache.kv.dtype == (torch.float16 if is_fused else torch.float32)
+    assert full.cache.kv.dtype == torch.float32
+    if is_fused:
+        assert half.plan.num_pages + 1 == 2 * (full.plan.num_pages + 1)
+    else:
+        with pytest.raises(ValueError, match="kv_cache_dtype: fp16 needs the fused"):
+            DecoderRunner(w4a8, None, DecoderRunnerConfig(budget_bytes=budget, kv_cache_dtype="fp16"))
     prompt = [5, 9, 11, 2, 30]
     outputs = [run(r, {"a": Request(prompt, max_new_tokens=8)})["a"].output for r in (half, full)]
     assert outputs[0] == outputs[1] == greedy_contiguous(w4a8, prompt, 8)

@@ -74,7 +74,13 @@ def wait_idle(llm: Pipeline) -> dict[str, int]:
     return stats
 
 
-def test_staggered_conversations_give_the_same_greedy_ids_as_each_alone(llm: Pipeline) -> None:
+@pytest.mark.environment
+def test_staggered_conversations_give_the_same_greedy_ids_as_each_alone_where_the_blas_allows(llm: Pipeline) -> None:
+    """fp32 rows are batch invariant only where the runner's probe found a padding for this CPU's BLAS
+    (every x86 one measured so far); elsewhere it batches anyway and says so in its stats."""
+    if not counters(llm)["batch_invariant"]:
+        pytest.skip("environment: this CPU's BLAS has no batch-invariant padding for SmolLM2's fp32 linears "
+                    "(the thinker's stats say batch_invariant 0)")
     payloads = [ask(q) for q in QUESTIONS]
     alone = [collect(llm, [p])[0] for p in payloads]
     crowd = collect(llm, payloads, stagger_s=0.15)
