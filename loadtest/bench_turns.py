@@ -35,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sessions import pct, start_server  # noqa: E402
+from soak_probe import label, memory_mb, process_tree  # noqa: E402
 from table import cpu_description, format_table  # noqa: E402
 from websockets.sync.client import connect  # noqa: E402
 
@@ -173,10 +174,14 @@ def main() -> None:
     args = parser.parse_args()
     print(cpu_description())
     speech = synthesize(QUESTIONS)
+    start = time.monotonic()
     proc, port = start_server(Path(args.config))
+    startup_s = time.monotonic() - start
     rows, stage_rows, notes, sample = [], [], [], ""
     try:
         run_level(port, speech, 1, 2, args.silence_ms)  # NOTE: warm-up (first-call paths, caches)
+        memory = {label(pid, proc.pid): m["rss_mb"] for pid in process_tree(proc.pid)
+                  if (m := memory_mb(pid)) is not None}
         for level in (int(x) for x in args.levels.split(",")):
             turns, errors = run_level(port, speech, level, args.turns, args.silence_ms)
             notes += [f"{level} sessions: {e}" for e in errors]
@@ -199,6 +204,8 @@ def main() -> None:
     print("\n== Per stage, ms after the end-of-turn decision (median) ==")
     print(format_table(stage_rows))
     print(f"\nSample turn: {sample}")
+    print(f"Start-up: serve -> /health 200 in {startup_s:.1f} s; resident memory after the warm-up (VmRSS): "
+          + ", ".join(f"{name} {mb:.0f} MB" for name, mb in memory.items()))
     for note in notes:
         print(f"error: {note}")
     by_level = {r["sessions"]: r for r in rows}

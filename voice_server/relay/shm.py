@@ -2,7 +2,10 @@
 
 Segments are plain files under /dev/shm named `vs-{launch_id}-{owner}-{n}`: n == 0 is the producer's
 slab, n >= 1 are one-tensor overflow segments used when the slab is full. The owner unlinks them on ack
-and on close; the launcher calls `sweep` for an owner that died.
+and on close. What a dead owner leaves, `sweep` removes, called by the coordinator
+(`voice_server/engine/coordinator.py`), not the launcher: for a stage process that died (its owner
+name carries the process generation), for the whole launch when the coordinator stops, and at start-up,
+through `voice_server/engine/rundir.py: sweep_dead_launches`, for launches whose server was SIGKILLed.
 
 NOTE: multiprocessing.shared_memory is not used: before Python 3.13 attaching registers the segment
 with a resource tracker that unlinks it under its owner (CPython gh-82300).
