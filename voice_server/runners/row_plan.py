@@ -91,7 +91,7 @@ def _holds(plan: RowPlan, counts: list[int], probes: list[_Probe]) -> bool:
 
 
 def _overhead(plan: RowPlan) -> float:
-    """Mean padding factor over step sizes 1..64: a lone decode row weighs most, as it runs most."""
+    """Padding factors summed over step sizes 1..64: a lone decode row weighs most, as it runs most."""
     return sum(plan.num_rows(n) / n for n in range(1, _DENSE_UNTIL + 1))
 
 
