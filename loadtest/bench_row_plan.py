@@ -110,10 +110,12 @@ def costs(num_tokens: int) -> list[dict[str, Any]]:
             tile_linears(model)
         config = DecoderRunnerConfig(budget_bytes=2 << 30, is_batch_invariant=way == "probed padding")
         runner = DecoderRunner(model, tokenizer, config)
-        kinds = TiledLinear if way.endswith("tiles") else LINEAR_TYPES
-        linears = [m for m in model.modules() if isinstance(m, kinds)]
-        found, _ = probe_row_plan(linears, torch.float32, 512)
-        is_invariant = runner.is_batch_invariant if way == "probed padding" else found == RowPlan()
+        if way == "probed padding":
+            is_invariant = runner.is_batch_invariant
+        else:  # NOTE: as they come, rows are invariant only if the probe finds no padding needed
+            kinds = TiledLinear if way.endswith("tiles") else LINEAR_TYPES
+            linears = [m for m in model.modules() if isinstance(m, kinds)]
+            is_invariant = probe_row_plan(linears, torch.float32, 512)[0] == RowPlan()
         ids = tokenizer.encode_chat([{"role": "user", "content": PROMPT}])[:200]
         rows.append({
             "way": way, "step rows (1 stream)": runner.row_plan.num_rows(1),

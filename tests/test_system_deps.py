@@ -33,10 +33,11 @@ def _make_system_deps(env: dict[str, str], as_nobody: bool) -> tuple[subprocess.
 
 def test_present_packages_need_nothing() -> None:
     """Everything found (here through the variables the tests read): silent, exit 0, nothing installed."""
-    done, _ = _make_system_deps({"VOICE_SERVER_CHROMIUM": "/bin/true", "VOICE_SERVER_NGINX": "/bin/true"},
-                                as_nobody=False)
+    # NOTE: checked first, so that this test never runs apt-get itself.
     if shutil.which("g++") is None:
         pytest.fail("g++ is one of make test's system packages; make system-deps installs it")
+    done, _ = _make_system_deps({"VOICE_SERVER_CHROMIUM": "/bin/true", "VOICE_SERVER_NGINX": "/bin/true"},
+                                as_nobody=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "" and done.stderr == ""
 
