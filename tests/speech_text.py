@@ -115,6 +115,22 @@ def speech(text: str, silence_s: float = 0.3) -> npt.NDArray[np.float32]:
     return _speech(text, silence_s)
 
 
+def hesitant_speech(text: str, pause_s: float, silence_s: float = 0.3) -> npt.NDArray[np.float32]:
+    """`text` (with a comma where the speaker hesitates) spoken with a `pause_s` silence at the comma: the
+    voice's own pause there (the longest quiet stretch inside the speech, its first half said with a
+    continuing contour, as a person who is not done) stretched to `pause_s`."""
+    from voice_server.audio import frame_levels_db
+
+    audio = speech(text, silence_s)
+    is_loud = frame_levels_db(audio, ASR_RATE) >= -40.0
+    loud = np.flatnonzero(is_loud)
+    gaps = [(int(a) + 1, int(b)) for a, b in zip(loud[:-1], loud[1:], strict=True) if b - a > 1]
+    start, end = max(gaps, key=lambda gap: gap[1] - gap[0])
+    frame = ASR_RATE // 100
+    cut = np.concatenate([audio[: start * frame], np.zeros(int(pause_s * ASR_RATE), np.float32), audio[end * frame:]])
+    return cut.astype(np.float32)
+
+
 def chunks(audio: npt.NDArray[np.float32], chunk_ms: int = 20) -> list[npt.NDArray[np.float32]]:
     step = ASR_RATE * chunk_ms // 1000
     return [audio[i:i + step] for i in range(0, len(audio), step)]

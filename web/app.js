@@ -180,7 +180,8 @@ const handlers = {
   response_done(e) {
     const r = response?.id === e.response_id ? response : null;
     if (r) r.isDone = true;
-    const firstAudioMs = e.timings_ms?.first_audio_sent ?? null;
+    // NOTE: what the listener waited for is the first audible frame; the first byte is the fallback.
+    const firstAudioMs = e.timings_ms?.first_audible ?? e.timings_ms?.first_audio_sent ?? null;
     const turn = {
       responseId: e.response_id, itemId: e.item_id, status: e.status, text: e.text, audioMs: e.audio_ms,
       timingsMs: e.timings_ms ?? {}, firstAudioMs,

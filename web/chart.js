@@ -1,10 +1,14 @@
 // First-audio latency per turn, as segmented bars on a canvas (no library): each bar is one response,
 // split at each stage's first output (`response_done.timings_ms`: ms after the response started,
-// per stage, plus `first_audio_sent`), so a bar shows where the wait before the first audio went.
+// per stage, plus `first_audio_sent`, the first byte, and `first_audible`, when the first audible
+// frame is heard), so a bar shows where the wait before the reply was heard went.
 
 const MAX_BARS = 24;
 const SENT = "first_audio_sent";
+const HEARD = "first_audible";
+const NOT_STAGES = new Set([SENT, HEARD, "end_of_speech"]);
 const SENT_COLOR = "#bab0ac";
+const HEARD_COLOR = "#e15759";
 const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#b07aa1", "#76b7b2", "#edc948", "#ff9da7", "#9c755f"];
 
 export class LatencyChart {
@@ -19,16 +23,21 @@ export class LatencyChart {
 
   // Add a turn from its timings; returns the point, or null when the response sent no audio.
   add(label, timingsMs) {
-    const totalMs = timingsMs?.[SENT];
-    if (typeof totalMs !== "number") return null;
+    const sentMs = timingsMs?.[SENT];
+    if (typeof sentMs !== "number") return null;
+    const heardMs = timingsMs?.[HEARD];
+    const totalMs = typeof heardMs === "number" ? Math.max(heardMs, sentMs) : sentMs;
     // NOTE: stages in the order they first produced output; each segment runs from the previous
-    // milestone to this one, the last to the moment the first audio left the server.
+    // milestone to this one, then to the first audio byte sent, then to the first audible frame heard
+    // (a reply that opens with silence is heard later than it is sent).
     const stages = Object.entries(timingsMs)
-      .filter(([name, ms]) => name !== SENT && typeof ms === "number")
+      .filter(([name, ms]) => !NOT_STAGES.has(name) && typeof ms === "number")
       .sort((a, b) => a[1] - b[1]);
+    const milestones = [...stages, [SENT, sentMs]];
+    if (typeof heardMs === "number") milestones.push([HEARD, totalMs]);
     const segments = [];
     let fromMs = 0;
-    for (const [name, ms] of [...stages, [SENT, totalMs]]) {
+    for (const [name, ms] of milestones) {
       const toMs = Math.max(fromMs, Math.min(ms, totalMs));
       segments.push({ name, fromMs, toMs });
       fromMs = toMs;
@@ -37,7 +46,7 @@ export class LatencyChart {
     this.points.push(point);
     if (this.points.length > MAX_BARS) this.points.shift();
     for (const { name } of segments) {
-      if (name !== SENT && !this.colors.has(name)) this.colors.set(name, PALETTE[this.colors.size % PALETTE.length]);
+      if (!NOT_STAGES.has(name) && !this.colors.has(name)) this.colors.set(name, PALETTE[this.colors.size % PALETTE.length]);
     }
     this.draw();
     this.describe(point);
@@ -45,15 +54,17 @@ export class LatencyChart {
   }
 
   describe(point) {
-    const steps = point.segments.map((s) => `${s.name === SENT ? "sent" : s.name} ${s.toMs.toFixed(0)}`).join(" → ");
+    const short = { [SENT]: "sent", [HEARD]: "heard" };
+    const steps = point.segments.map((s) => `${short[s.name] ?? s.name} ${s.toMs.toFixed(0)}`).join(" → ");
     this.summary.textContent = `last first-audio latency: ${point.totalMs.toFixed(0)} ms (${steps} ms)`;
+    const labels = { [SENT]: "to first audio sent", [HEARD]: "to first audible audio heard" };
     this.legend.replaceChildren(
-      ...[...this.colors, [SENT, SENT_COLOR]].map(([name, color]) => {
+      ...[...this.colors, [SENT, SENT_COLOR], [HEARD, HEARD_COLOR]].map(([name, color]) => {
         const item = document.createElement("li");
         const swatch = document.createElement("span");
         swatch.className = "swatch";
         swatch.style.background = color; // NOTE: a CSSOM property, which the page's CSP allows
-        item.append(swatch, name === SENT ? "to first audio sent" : name);
+        item.append(swatch, labels[name] ?? name);
         return item;
       }),
     );
@@ -97,7 +108,7 @@ export class LatencyChart {
     this.points.forEach((point, i) => {
       const x = left + i * slot + (slot - barWidth) / 2;
       for (const seg of point.segments) {
-        ctx.fillStyle = seg.name === SENT ? SENT_COLOR : this.colors.get(seg.name);
+        ctx.fillStyle = seg.name === SENT ? SENT_COLOR : seg.name === HEARD ? HEARD_COLOR : this.colors.get(seg.name);
         ctx.fillRect(x, y(seg.toMs), barWidth, y(seg.fromMs) - y(seg.toMs));
       }
     });

@@ -25,6 +25,7 @@ from talker_checks import stage_ctx as talker_ctx  # noqa: E402
 from voice_server.config import load_pipeline  # noqa: E402
 from voice_server.config.errors import ConfigError  # noqa: E402
 from voice_server.engine.runtime import StageContext  # noqa: E402
+from voice_server.runners.speech_edges import EdgeRules, frame_levels_db  # noqa: E402
 from voice_server.runners.synthesizers import PIPER_RATE, PiperSynthesizer  # noqa: E402
 from voice_server.runners.tts_runner import TTSRunner, TTSRunnerConfig  # noqa: E402
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, SimpleBatch, WorkItem, WorkKind  # noqa: E402
@@ -162,3 +163,16 @@ def pcm_of(emits: list[Emit]) -> np.ndarray:
 
 def stage_ctx(device: str = "cpu", phases: list[str] | None = None, **factory_args: Any) -> StageContext:
     return talker_ctx(device, phases, **{"engine": "piper", **factory_args})
+
+
+def test_the_reply_speaks_at_once_and_ends_with_its_speech(runner: TTSRunner) -> None:
+    raw = TTSRunner(runner.engine, dataclasses.replace(runner.config, edges=EdgeRules(is_trimmed=False)))
+    for name, talker in (("trimmed", runner), ("raw", raw)):
+        pcm = pcm_of(run(talker, WorkItem(name, WorkKind.NEW, {"text": TEXT})))
+        talker.release(name)
+        loud = np.flatnonzero(frame_levels_db(pcm, PIPER_RATE) >= -40.0)
+        lead_ms, tail_ms = loud[0] * 10, (pcm.size * 100 // PIPER_RATE - loud[-1]) * 10
+        if name == "raw":
+            assert lead_ms + tail_ms >= 150  # NOTE: piper pads its sentences too, which trimming removes
+        else:
+            assert lead_ms <= 40 and tail_ms <= 100, (lead_ms, tail_ms)

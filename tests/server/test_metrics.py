@@ -40,15 +40,24 @@ def test_metrics_after_a_spoken_and_a_typed_turn(server: LiveServer) -> None:
     samples = server.metrics()
     print({k: v for k, v in samples.items() if "bucket" not in k[0]})
     assert metric(samples, "voice_server_first_audio_seconds_count") == 2
+    assert metric(samples, "voice_server_first_audio_byte_seconds_count") == 2
     # The first audio comes one 30 ms step after the turn ends (plus the request's way through the
-    # stage), and the client-side first_audio_sent timing bounds it.
+    # stage), and the response's own timings bound it: heard no sooner than sent.
     first_audio_sum = metric(samples, "voice_server_first_audio_seconds_sum")
-    assert 0.02 < first_audio_sum < 2.0
-    assert first_audio_sum >= (spoken["timings_ms"]["first_audio_sent"] + typed["timings_ms"]["first_audio_sent"]) / 1e3
+    first_byte_sum = metric(samples, "voice_server_first_audio_byte_seconds_sum")
+    assert 0.02 < first_byte_sum <= first_audio_sum < 2.0
+    for key, total in (("first_audio_sent", first_byte_sum), ("first_audible", first_audio_sum)):
+        assert total >= (spoken["timings_ms"][key] + typed["timings_ms"][key]) / 1e3
+    # The reply gap (end of speech -> heard) is for the spoken turn only, and holds its silence window.
+    assert metric(samples, "voice_server_reply_gap_seconds_count") == 1
+    gap_ms = spoken["timings_ms"]["first_audible"] - spoken["timings_ms"]["end_of_speech"]
+    assert "end_of_speech" not in typed["timings_ms"] and -2000 < spoken["timings_ms"]["end_of_speech"] <= 0
+    assert metric(samples, "voice_server_reply_gap_seconds_sum") == pytest.approx(gap_ms / 1e3, abs=1e-3)
     assert metric(samples, "voice_server_stage_first_output_seconds_count", stage="speech") == 2
     stage_sum = metric(samples, "voice_server_stage_first_output_seconds_sum", stage="speech")
     assert stage_sum == pytest.approx((spoken["timings_ms"]["speech"] + typed["timings_ms"]["speech"]) / 1e3, abs=1e-3)
-    assert metric(samples, "voice_server_stage_first_output_seconds_count", stage="first_audio_sent") == 0
+    for key in ("first_audio_sent", "first_audible", "end_of_speech"):
+        assert metric(samples, "voice_server_stage_first_output_seconds_count", stage=key) == 0
     # 12 words of 80 ms audio at one word per 30 ms step: well under real time.
     assert metric(samples, "voice_server_realtime_factor_count") == 2
     assert 0.2 < metric(samples, "voice_server_realtime_factor_sum") / 2 < 0.9

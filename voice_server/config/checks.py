@@ -8,7 +8,8 @@ per rule, each raising a one-line `ConfigError` that names the stage or pipeline
 - the relay slabs fit in `/dev/shm`;
 - with `control_transport: tcp`, `tcp_host` is an address this host can bind;
 - every `cuda:N` a stage names is a CUDA device this host has (skippable: a GPU config can be checked
-  on a laptop or in CI, everything but the devices).
+  on a laptop or in CI, everything but the devices);
+- with `turn_detection: semantic_vad`, the end-of-turn model files are installed.
 """
 
 from __future__ import annotations
@@ -122,6 +123,19 @@ def check_devices(cfg: PipelineConfig, count_devices: Callable[[], int] = cuda_d
             )
 
 
+def check_turn_models(cfg: PipelineConfig) -> None:
+    """`semantic_vad` sessions need Smart Turn and Silero VAD, which ship in the pipecat-ai wheel."""
+    if cfg.turn_detection != "semantic_vad":
+        return
+    from voice_server.session.turn_models import SILERO_FILE, SMART_TURN_FILE, pipecat_data_file
+
+    for relative in (SMART_TURN_FILE, SILERO_FILE):
+        try:
+            pipecat_data_file(relative)
+        except RuntimeError as exc:
+            raise fail(f"pipeline {cfg.name!r}", "turn_detection", f"semantic_vad: {exc}") from exc
+
+
 def check_environment(cfg: PipelineConfig, *, is_import_allowed: bool = True, is_device_check: bool = True) -> None:
     """Run every environment check, cheapest first; raises the first ConfigError.
 
@@ -133,6 +147,7 @@ def check_environment(cfg: PipelineConfig, *, is_import_allowed: bool = True, is
     check_schedulers(cfg)
     check_tcp_host(cfg)
     check_shm(cfg)
+    check_turn_models(cfg)
     if is_import_allowed:
         if is_device_check:
             check_devices(cfg)

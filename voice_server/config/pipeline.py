@@ -123,6 +123,7 @@ PIPELINE_RULES: dict[str, Rule] = {
     "relay_slab_bytes": Number(int, minimum=1 << 16),
     "control_transport": Choice(("ipc", "tcp")),
     "stream_input": Flag(),
+    "turn_detection": Choice(("server_vad", "semantic_vad")),
     "tcp_host": Text(),
     "max_inflight_requests": Number(int, minimum=1, is_nullable=True),
     "max_relay_bytes": Number(int, minimum=1 << 16, is_nullable=True),
@@ -146,6 +147,11 @@ class PipelineConfig:
     """The entry stage takes a spoken turn while the user speaks (a transcriber): the session opens
     the turn's request at speech start and streams its audio (`{"audio"}` chunks, 16 kHz float32),
     ending the stream at the end of the turn. False: a request carries whole turns."""
+    turn_detection: str = "server_vad"
+    """Turn detection of a session whose client names none (`/ws` without `turn_detection`, a new
+    `/v1/realtime` session, every `/twilio/media` call): `server_vad` (a fixed silence ends the turn) or
+    `semantic_vad` (eagerness auto: an end-of-turn model decides; needs the Smart Turn and Silero models
+    of `pip install --no-deps pipecat-ai==1.14.0`)."""
     startup_timeout_s: float = 120.0
     """How long a stage process may take to load and report ready."""
     inline_threshold_bytes: int = 16384

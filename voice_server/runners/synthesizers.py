@@ -25,20 +25,20 @@ PIPER_RATE = 22050
 
 
 class Synthesizer(Protocol):
-    """One clause of text -> mono float32 PCM at `sample_rate`."""
+    """One clause of text -> mono float32 PCM at `sample_rate`, one array per sentence (the engine's own
+    split), so that the runner can trim the silence each sentence carries (`speech_edges.py`)."""
 
     @property
     def sample_rate(self) -> int: ...
 
-    def synthesize(self, text: str, speed: float, rng: np.random.Generator) -> npt.NDArray[np.float32]:
+    def synthesize(self, text: str, speed: float, rng: np.random.Generator) -> list[npt.NDArray[np.float32]]:
         """`speed` 0.5 (slow) .. 2.0 (fast); `rng` is the request's noise generator (an engine with
-        its own noise ignores it). Nothing speakable -> an empty array."""
+        its own noise ignores it). Nothing speakable -> an empty list."""
         ...
 
 
-def _joined(pieces: list[Any]) -> npt.NDArray[np.float32]:
-    arrays = [np.asarray(p, dtype=np.float32).reshape(-1) for p in pieces]
-    return np.concatenate(arrays) if arrays else np.zeros(0, np.float32)
+def _sentences(pieces: list[Any]) -> list[npt.NDArray[np.float32]]:
+    return [np.asarray(p, dtype=np.float32).reshape(-1) for p in pieces]
 
 
 class HibariSynthesizer:
@@ -52,9 +52,9 @@ class HibariSynthesizer:
     def sample_rate(self) -> int:
         return self._rate
 
-    def synthesize(self, text: str, speed: float, rng: np.random.Generator) -> npt.NDArray[np.float32]:
+    def synthesize(self, text: str, speed: float, rng: np.random.Generator) -> list[npt.NDArray[np.float32]]:
         engine = self.engine
-        return _joined([engine.from_ids(engine.ids(ps), float(speed), rng) for ps in engine.phonemize(text)])
+        return _sentences([engine.from_ids(engine.ids(ps), float(speed), rng) for ps in engine.phonemize(text)])
 
 
 class PiperSynthesizer:
@@ -69,10 +69,10 @@ class PiperSynthesizer:
     def sample_rate(self) -> int:
         return self._rate
 
-    def synthesize(self, text: str, speed: float, rng: np.random.Generator) -> npt.NDArray[np.float32]:
+    def synthesize(self, text: str, speed: float, rng: np.random.Generator) -> list[npt.NDArray[np.float32]]:
         from piper import SynthesisConfig
 
         # NOTE: Piper's pace is a phoneme length scale (> 1 slower): the voice's own scale over `speed`.
         # `rng` goes unused: the model has no noise input (see the module docstring).
         config = SynthesisConfig(length_scale=self._length_scale / float(speed))
-        return _joined([chunk.audio_float_array for chunk in self.voice.synthesize(text, syn_config=config)])
+        return _sentences([chunk.audio_float_array for chunk in self.voice.synthesize(text, syn_config=config)])

@@ -10,7 +10,9 @@ than `max_text_chars`.
 Output: each clause (`clauses.py`) is synthesised as soon as the text completing it arrives, as one
 STREAM `{"pcm": float32 [n], "sample_rate": <the engine's: hibari 24000, piper 22050>}`; the rest
 of the text at the end of input; then RESULT `{"num_samples", "num_clauses"}`. No text goes out: the upstream stage
-sends the transcript.
+sends the transcript. Each clause's audio is its sentences with the engine's silences trimmed, after
+the pause owed to the clause before (`speech_edges.py`): the first clause speaks at once, the last
+ends when its speech does.
 
 Each request draws the engine's noise from its own generator seeded with `seed`, so (with hibari,
 whose noise that is) a text gives the same audio whether it arrives whole or in deltas, alone or
@@ -28,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.runners.clauses import ClauseRules, ClauseSplitter
+from voice_server.runners.speech_edges import EdgeRules, join_sentences, pause_after
 from voice_server.runners.synthesizers import Synthesizer
 from voice_server.scheduling import (
     AdmissionError,
@@ -57,6 +60,7 @@ class TTSRunnerConfig:
     max_text_chars: int = 32768
     """Most characters one request may bring in total (an LLM reply of thousands of tokens fits)."""
     clauses: ClauseRules = ClauseRules()
+    edges: EdgeRules = EdgeRules()
 
     def __post_init__(self) -> None:
         speed = self.speed
@@ -67,6 +71,9 @@ class TTSRunnerConfig:
             minimum = 0 if name == "seed" else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise ValueError(f"TTSRunnerConfig.{name} must be an integer >= {minimum}, got {value!r}")
+        for name, kind in (("clauses", ClauseRules), ("edges", EdgeRules)):
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"TTSRunnerConfig.{name} must be a {kind.__name__}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -79,6 +86,8 @@ class _Speech:
     """Text admitted so far (capped by `max_text_chars`)."""
     num_samples: int = 0
     num_clauses: int = 0
+    pause_ms: int = 0
+    """Silence owed before the next clause's audio (the pause after the last clause that spoke)."""
 
 
 class TTSRunner(Runner[SimpleBatch, SimpleResult]):
@@ -159,9 +168,10 @@ class TTSRunner(Runner[SimpleBatch, SimpleResult]):
             clauses.extend(speech.splitter.flush())
         emits = []
         for clause in clauses:
-            pcm = self._synthesize(clause, speech.rng)
+            pcm = self._synthesize(clause, speech.rng, speech.pause_ms)
             speech.num_clauses += 1
             if pcm.size:
+                speech.pause_ms = pause_after(clause, self.config.edges)
                 speech.num_samples += int(pcm.size)
                 emits.append(Emit(rid, EmitKind.STREAM, {"pcm": pcm, "sample_rate": self.sample_rate}))
         if is_last:
@@ -169,7 +179,8 @@ class TTSRunner(Runner[SimpleBatch, SimpleResult]):
                                                      "num_clauses": speech.num_clauses}))
         return emits
 
-    def _synthesize(self, text: str, rng: np.random.Generator) -> npt.NDArray[np.float32]:
-        """One clause -> float32 PCM (the engine splits a clause of several sentences itself)."""
-        pcm = np.asarray(self.engine.synthesize(text, float(self.config.speed), rng), dtype=np.float32)
-        return pcm.reshape(-1)
+    def _synthesize(self, text: str, rng: np.random.Generator, lead_ms: int = 0) -> npt.NDArray[np.float32]:
+        """One clause -> float32 PCM, `lead_ms` of pause first (the engine splits a clause of several
+        sentences itself; their joins get the sentence pause)."""
+        sentences = self.engine.synthesize(text, float(self.config.speed), rng)
+        return join_sentences(sentences, self.sample_rate, self.config.edges, lead_ms)

@@ -18,7 +18,9 @@ admission and limits every WebSocket endpoint applies) and `twilio` (`TwilioSett
 
 from __future__ import annotations
 
+import logging
 import socket
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -35,7 +37,10 @@ from voice_server.server.sessions import AbortHandleMiddleware, SessionGate
 from voice_server.server.web import WebFiles, default_web_dir
 from voice_server.session.native import native_ws
 from voice_server.session.realtime.endpoint import realtime_ws
+from voice_server.session.semantic_vad import shared_models
 from voice_server.session.twilio.endpoint import TwilioSettings, twilio_ws
+
+log = logging.getLogger(__name__)
 
 
 async def health(request: Request) -> JSONResponse:
@@ -61,7 +66,17 @@ def create_app(
     app.state.metrics.watch(coordinator)
     app.state.sessions = SessionGate(limits or SessionLimits(), app.state.metrics, lambda: coordinator.is_ready)
     app.state.twilio = twilio or TwilioSettings()
+    if getattr(getattr(coordinator, "cfg", None), "turn_detection", None) == "semantic_vad":
+        # NOTE: the end-of-turn models (~0.3 s) load while the stages do, not in the first session's turn.
+        threading.Thread(target=_preload_turn_models, name="turn-models", daemon=True).start()
     return app
+
+
+def _preload_turn_models() -> None:
+    try:
+        shared_models()
+    except Exception:
+        log.exception("loading the end-of-turn models failed; semantic_vad sessions will fail to start")
 
 
 class VoiceServer(uvicorn.Server):

@@ -7,23 +7,31 @@ How an endpoint reports (every endpoint: `/ws`, `/v1/realtime`, `/twilio/media`)
   an endpoint that admits through `SessionGate.admit` gets these for free;
 - per connection, `tracker = metrics.track(endpoint)`, then:
   - `tracker.observe(event)` for every `SessionEvent` the endpoint sends to its client (in its emit),
-    after the send: turn ends (`SpeechStopped`), the first audio of each response, `ResponseDone`
-    (first-audio latency, per-stage breakdown, realtime factor, status) and `SessionError` (protocol
-    errors by code) are taken from there;
+    after the send: turn ends (`SpeechStopped`), `ResponseDone` (first-audio latency from its
+    `timings_ms`, per-stage breakdown, realtime factor, status) and `SessionError` (protocol errors by
+    code) are taken from there;
   - `tracker.turn_ended()` when a turn ends by a client message (a typed text turn, a manual commit,
     an explicit response request), so first-audio latency is measured from that message;
-  - `tracker.count_barge_ins(session)` after feeding input audio to a `Session`;
+  - `tracker.count_session(session)` after feeding input audio to a `Session` (its barge-ins and
+    speculative responses);
   - `tracker.protocol_error(code)` for a client error the endpoint answers without a `SessionError`
     event (e.g. a bad first message that closes the connection).
 
 Series:
 - `voice_server_first_audio_seconds`: end of the user's turn (the server's `SpeechStopped`, i.e. after
-  the VAD's `silence_duration_ms`, or the client message that ended it) -> the first audio byte of
-  the response handed to the socket;
+  the VAD's end-of-turn silence, or the client message that ended it) -> the first *audible* audio of
+  the response as the client plays it (`ResponseDone.timings_ms.first_audible`: the first 10 ms frame
+  at -40 dBFS or more, placed on the client's playout clock, `voice_server/audio/levels.py`);
+- `voice_server_first_audio_byte_seconds`: the same from the turn's end to the first audio byte sent
+  (what this series measured before: it counts a synthesiser's leading silence as audio);
+- `voice_server_reply_gap_seconds`: the end of the user's *speech* (before the end-of-turn silence)
+  -> the first audible audio: the wait a person perceives, spoken turns only;
 - `voice_server_stage_first_output_seconds{stage}`: submit -> each stage's first output of a response
   (from `ResponseDone.timings_ms`);
 - `voice_server_realtime_factor`: wall time from `ResponseStarted` to `ResponseDone` over the seconds of
   audio sent, per completed response with audio (< 1: faster than real time);
+- `voice_server_speculative_responses_total{outcome}`: responses started at a pause before the turn
+  ended (`semantic_vad`), `outcome` `started` or `discarded` (the speaker went on: the work was thrown away);
 - `voice_server_responses_total{status}`, `voice_server_barge_ins_total`,
   `voice_server_protocol_errors_total{endpoint,type}`;
 - read from the coordinator at each scrape (`Metrics.watch`): `voice_server_pipeline_ready` (1 when
@@ -43,7 +51,6 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
 from voice_server.session.events import (
-    AudioDelta,
     ResponseDone,
     ResponseStarted,
     SessionError,
@@ -55,7 +62,7 @@ __all__ = ["CONTENT_TYPE_LATEST", "ConnectionMetrics", "Metrics"]
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 _RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 4.0)
-_NOT_A_STAGE = ("first_audio_sent",)
+_NOT_A_STAGE = ("first_audio_sent", "first_audible", "end_of_speech")
 """Keys of `ResponseDone.timings_ms` measured at the session, not by a stage."""
 
 
@@ -68,7 +75,13 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.first_audio = Histogram(
-            "voice_server_first_audio_seconds", "End of the user's turn to the first audio byte sent",
+            "voice_server_first_audio_seconds", "End of the user's turn to the first audible audio of the reply",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.first_audio_byte = Histogram(
+            "voice_server_first_audio_byte_seconds", "End of the user's turn to the first audio byte sent",
+            buckets=_LATENCY_BUCKETS, registry=r)
+        self.reply_gap = Histogram(
+            "voice_server_reply_gap_seconds", "End of the user's speech to the first audible audio of the reply",
             buckets=_LATENCY_BUCKETS, registry=r)
         self.stage_first_output = Histogram(
             "voice_server_stage_first_output_seconds", "Request submit to a stage's first output, per response",
@@ -78,6 +91,9 @@ class Metrics:
             buckets=_RTF_BUCKETS, registry=r)
         self.active_sessions = Gauge("voice_server_active_sessions", "Sessions open", ["endpoint"], registry=r)
         self.barge_ins = Counter("voice_server_barge_ins", "Responses cut by the user speaking", registry=r)
+        self.speculations = Counter(
+            "voice_server_speculative_responses", "Responses started at a pause before the turn ended, by outcome",
+            ["outcome"], registry=r)
         self.responses = Counter("voice_server_responses", "Responses ended, by status", ["status"], registry=r)
         self.protocol_errors = Counter(
             "voice_server_protocol_errors", "Client errors answered, by endpoint and error code",
@@ -111,15 +127,21 @@ class Metrics:
     def protocol_error(self, endpoint: str, code: str) -> None:
         self.protocol_errors.labels(endpoint, code).inc()
 
-    def response_done(self, event: ResponseDone, first_audio_s: float | None, wall_s: float | None) -> None:
-        """One response ended: its status, stage breakdown, and (when known) first-audio latency and
-        wall time (realtime factor, for completed responses with audio)."""
+    def response_done(self, event: ResponseDone, turn_end_s: float | None, wall_s: float | None) -> None:
+        """One response ended: its status, stage breakdown, and (when known: `turn_end_s`, how long before
+        the response started its turn ended) first-audio latencies and wall time (realtime factor, for
+        completed responses with audio)."""
         self.responses.labels(event.status).inc()
-        for stage, ms in event.timings_ms.items():
+        timings = event.timings_ms
+        for stage, ms in timings.items():
             if stage not in _NOT_A_STAGE:
                 self.stage_first_output.labels(stage).observe(max(0.0, ms / 1000.0))
-        if first_audio_s is not None:
-            self.first_audio.observe(max(0.0, first_audio_s))
+        if turn_end_s is not None:
+            for histogram, key in ((self.first_audio, "first_audible"), (self.first_audio_byte, "first_audio_sent")):
+                if key in timings:
+                    histogram.observe(max(0.0, turn_end_s + timings[key] / 1000.0))
+        if "end_of_speech" in timings and "first_audible" in timings:
+            self.reply_gap.observe(max(0.0, (timings["first_audible"] - timings["end_of_speech"]) / 1000.0))
         if wall_s is not None and event.status == "completed" and event.num_audio_ms > 0:
             self.realtime_factor.observe(wall_s / (event.num_audio_ms / 1000.0))
 
@@ -134,8 +156,8 @@ class ConnectionMetrics:
         self.metrics, self.endpoint = metrics, endpoint
         self._turn_end_at: float | None = None
         self._responses: dict[str, dict[str, float]] = {}
-        """Response id -> `started`, `turn_end` and `first_audio` (monotonic times) while it runs."""
-        self._num_barge_ins = 0
+        """Response id -> `started` and `turn_end` (monotonic times) while it runs."""
+        self._counted = {"barge_ins": 0, "speculations": 0, "discarded": 0}
 
     def turn_ended(self) -> None:
         self._turn_end_at = time.monotonic()
@@ -143,12 +165,16 @@ class ConnectionMetrics:
     def protocol_error(self, code: str) -> None:
         self.metrics.protocol_error(self.endpoint, code)
 
-    def count_barge_ins(self, session: Any) -> None:
-        """Count the barge-ins `session` (a `Session`) made since the last call."""
-        num = int(session.num_barge_ins)
-        if num > self._num_barge_ins:
-            self.metrics.barge_ins.inc(num - self._num_barge_ins)
-        self._num_barge_ins = num
+    def count_session(self, session: Any) -> None:
+        """Count the barge-ins and speculative responses `session` (a `Session`) made since the last call."""
+        metrics = self.metrics
+        for key, total, counter in (
+                ("barge_ins", session.num_barge_ins, metrics.barge_ins),
+                ("speculations", session.num_speculations, metrics.speculations.labels("started")),
+                ("discarded", session.num_discarded_speculations, metrics.speculations.labels("discarded"))):
+            if int(total) > self._counted[key]:
+                counter.inc(int(total) - self._counted[key])
+            self._counted[key] = int(total)
 
     def observe(self, event: SessionEvent) -> None:
         now = time.monotonic()
@@ -159,17 +185,11 @@ class ConnectionMetrics:
             if self._turn_end_at is not None:
                 # NOTE: a response without a new turn (a second `response.create`) has no turn end.
                 times["turn_end"], self._turn_end_at = self._turn_end_at, None
-        elif isinstance(event, AudioDelta):
-            running = self._responses.get(event.response_id)
-            if running is not None:
-                running.setdefault("first_audio", now)
         elif isinstance(event, ResponseDone):
             done = self._responses.pop(event.response_id, {})
-            first_audio_s = None
-            if "turn_end" in done and "first_audio" in done:
-                first_audio_s = done["first_audio"] - done["turn_end"]
+            turn_end_s = done["started"] - done["turn_end"] if "turn_end" in done else None
             wall_s = now - done["started"] if "started" in done else None
-            self.metrics.response_done(event, first_audio_s, wall_s)
+            self.metrics.response_done(event, turn_end_s, wall_s)
         elif isinstance(event, SessionError):
             self.metrics.protocol_error(self.endpoint, event.code)
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +33,8 @@ from voice_server.audio import StreamResampler, pcm16_to_float32
 from voice_server.engine.requests import RequestError, RequestStream
 from voice_server.session.config import SessionConfig
 from voice_server.session.conversation import SPEECH_RATE, Conversation, Item, new_id
+from voice_server.session.detectors import PauseScorer, make_detector
+from voice_server.session.end_of_turn import UNFINISHED_SCORE, words_suggest_more
 from voice_server.session.events import (
     InputCommitted,
     ItemTruncated,
@@ -42,8 +46,9 @@ from voice_server.session.events import (
     SpeechStopped,
 )
 from voice_server.session.response import Emit, OpenTurn, ResponseRun
+from voice_server.session.semantic_vad import SemanticTurnDetector, SilenceStarted, SpeechResumed
 from voice_server.session.vad import SpeechStarted as VadStarted
-from voice_server.session.vad import TurnDetector
+from voice_server.session.vad import SpeechStopped as VadStopped
 
 
 async def _discard(event: SessionEvent) -> None:
@@ -54,6 +59,9 @@ MAX_BUFFER_S = 120
 """Input audio a turn keeps at least (at most `MAX_BUFFER_S + TRIM_SLACK_S`); older audio is dropped (a
 turn that never ends)."""
 TRIM_SLACK_S = 10
+MAX_SPECULATIONS_PER_TURN = 3
+"""Pauses of one turn that may start a speculative response (each one resumed costs the pipeline the
+work done for it)."""
 """How far the buffer may grow past `MAX_BUFFER_S` before it is trimmed back to it."""
 
 
@@ -64,7 +72,9 @@ class Session:
         """The pipeline transcribes turns as they are spoken (see the module docstring)."""
         self._turn: OpenTurn | None = None
         self.conversation = Conversation()
-        self.detector = TurnDetector(config.turn_detection, config.input_rate) if config.turn_detection else None
+        self.detector = make_detector(config)
+        self._turn_lock = asyncio.Lock()
+        self._scorer = PauseScorer()
         self._buffer: list[npt.NDArray[np.int16]] = []
         self._buffer_start_ms = 0
         """Input timeline position of the first buffered sample."""
@@ -76,6 +86,13 @@ class Session:
         self.played_ms: int | None = None
         """The client's last playback report for the running (or last) response."""
         self.num_barge_ins = 0
+        self.num_speculations = 0
+        """Responses started at a pause before the turn was committed (`_speculate`)..."""
+        self.num_discarded_speculations = 0
+        """...and those of them thrown away because the speaker went on."""
+        self._num_turn_speculations = 0
+        self._speech_end_at: float | None = None
+        """When the last spoken turn's speech ended (monotonic), for the next response's `end_of_speech`."""
 
     # -- input ---------------------------------------------------------------------------------------
 
@@ -87,22 +104,58 @@ class Session:
             await self._send_turn_audio(pcm16)
         if self.detector is None:
             return
-        for event in self.detector.feed(pcm16):
+        # NOTE: under the lock, so that a pause's score (handled by its own task) and the audio's events
+        # reach the state machine and the client in one order.
+        async with self._turn_lock:
+            await self._on_turn_events(self.detector.feed(pcm16))
+
+    async def _on_turn_events(self, events: Sequence[object]) -> None:
+        detector = self.detector
+        assert detector is not None
+        for event in events:
             if isinstance(event, VadStarted):
                 self._turn_item_id, self._turn_start_ms = new_id("item"), event.audio_start_ms
+                self._num_turn_speculations = 0
                 await self.emit(SpeechStarted(self._turn_item_id, event.audio_start_ms))
-                if self.detector.config.interrupt_response:
+                if detector.config.interrupt_response:
                     await self.barge_in()
-                if self.is_stream_input and self.detector.config.create_response:
+                if self.is_stream_input and detector.config.create_response:
                     await self._open_turn(self._turn_item_id, event.audio_start_ms)
-            else:
-                item_id = self._turn_item_id or new_id("item")
-                await self.emit(SpeechStopped(item_id, event.audio_end_ms))
-                is_committed = await self._commit_audio(item_id, self._turn_start_ms, event.audio_end_ms)
-                if self._turn is not None:
-                    await self._end_turn(is_committed)
-                elif is_committed and self.detector.config.create_response:
-                    await self.create_response()
+            elif isinstance(event, SilenceStarted):
+                self._scorer.score(detector, event.token, self._peek(self._turn_start_ms), self._on_score)
+                self._speculate()
+            elif isinstance(event, SpeechResumed):
+                self._scorer.cancel()
+                await self._resume_turn()
+            elif isinstance(event, VadStopped):
+                self._scorer.cancel()
+                await self._on_speech_stopped(event)
+
+    async def _on_score(self, token: int, probability: float) -> None:
+        """A pause's end-of-turn score (`PauseScorer`), from its task (a stale token is ignored)."""
+        async with self._turn_lock:
+            if not isinstance(self.detector, SemanticTurnDetector):
+                return
+            if self._turn is not None:
+                run = self._turn.run
+                words = run.held_transcript if run.held_transcript is not None else run.partial_sent
+                if words_suggest_more(words):
+                    probability = min(probability, UNFINISHED_SCORE)
+            await self._on_turn_events(self.detector.on_score(token, probability))
+
+    async def _on_speech_stopped(self, event: VadStopped) -> None:
+        assert self.detector is not None
+        item_id = self._turn_item_id or new_id("item")
+        # NOTE: input arrives in real time, so the speech ended this long before now on the clock.
+        input_ms = self._num_input_samples * 1000 / self.config.input_rate
+        self._speech_end_at = time.monotonic() - max(0.0, input_ms - event.speech_end_ms) / 1000.0
+        await self.emit(SpeechStopped(item_id, event.audio_end_ms))
+        is_committed = await self._commit_audio(item_id, self._turn_start_ms, event.audio_end_ms)
+        if self._turn is not None:
+            await self._end_turn(is_committed)
+        elif is_committed and self.detector.config.create_response:
+            await self.create_response()
+        self._speech_end_at = None  # NOTE: only the response this turn starts answers it
 
     async def commit(self) -> None:
         """Manual turn end: everything buffered becomes the user's item."""
@@ -111,6 +164,7 @@ class Session:
 
     def clear(self) -> None:
         self._buffer, self._buffer_start_ms = [], self._num_input_samples * 1000 // self.config.input_rate
+        self._scorer.cancel()
         if self.detector is not None:
             self.detector.reset()
         self._drop_turn()
@@ -130,7 +184,8 @@ class Session:
         """A new config (e.g. a protocol's `session.update`). A changed input rate or turn detection
         restarts turn detection and drops buffered input; the output rate applies from the next response."""
         if (config.input_rate, config.turn_detection) != (self.config.input_rate, self.config.turn_detection):
-            self.detector = TurnDetector(config.turn_detection, config.input_rate) if config.turn_detection else None
+            self._scorer.cancel()
+            self.detector = make_detector(config)
             self._buffer, self._buffer_start_ms, self._num_input_samples = [], 0, 0
             self._drop_turn()
         self.config = config
@@ -163,6 +218,11 @@ class Session:
         self._buffer_start_ms = end_ms
         return pcm16_to_float32(pcm[first:last])
 
+    def _peek(self, start_ms: int) -> npt.NDArray[np.int16]:
+        """The buffered input from `start_ms` to now, at the input rate (the buffer is left as it is)."""
+        pcm = np.concatenate(self._buffer) if self._buffer else np.zeros(0, np.int16)
+        return pcm[max(0, (start_ms - self._buffer_start_ms) * self.config.input_rate // 1000):]
+
     def _trim_buffer(self) -> None:
         # NOTE: the length comes from the timeline (not a pass over the chunks for every chunk) and the
         # trim leaves TRIM_SLACK_S of room: a turn that never ends (an open line nobody speaks on) costs
@@ -194,6 +254,7 @@ class Session:
         # NOTE: the new item is in the conversation (it is the reply) but not in the payload: empty.
         run = ResponseRun(response_id, item, self.config.output_rate, self.emit,
                           self.conversation.last_untranscribed_id(), self.conversation)
+        run.speech_end_at, self._speech_end_at = self._speech_end_at, None
         self._run, self.played_ms = run, None
         await self.emit(ResponseStarted(response_id, item.item_id))
         self._response = asyncio.create_task(self._respond(run, payload, {**dict(self.config.params),
@@ -211,8 +272,9 @@ class Session:
 
     # -- streamed turns ---------------------------------------------------------------------------------
 
-    async def _open_turn(self, item_id: str, start_ms: int) -> None:
-        """Speech started: open the turn's request and send the audio since `start_ms` (its padding)."""
+    async def _open_turn(self, item_id: str, start_ms: int, partial_sent: str = "") -> None:
+        """Speech started (or resumed after a speculative pause): open the turn's request and send the
+        audio since `start_ms` (its padding); `partial_sent` is the transcript the client has already."""
         self._drop_turn()
         payload = {"messages": self.conversation.to_messages(self.config.instructions)}
         try:
@@ -223,6 +285,7 @@ class Session:
             return
         run = ResponseRun(new_id("resp"), Item(new_id("item"), "assistant", status="in_progress"),
                           self.config.output_rate, self.emit, item_id, self.conversation)
+        run.partial_sent = partial_sent
         rate = self.config.input_rate
         resampler = None if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE)
         self._turn = OpenTurn(run, stream.input, asyncio.create_task(self._respond_to(run, stream)), resampler)
@@ -238,6 +301,28 @@ class Session:
             # end then sends the committed audio as a whole request (the pipeline transcribes it then).
             self._drop_turn()
             await self.emit(SessionError("pipeline_overloaded", f"streaming the turn failed: {exc}"))
+
+    def _speculate(self) -> None:
+        """A pause: the turn may be over. End its request's input now (the final transcript, the thinker
+        and the first clause run during the pause), holding what comes back until the turn is committed."""
+        turn = self._turn
+        if turn is None or turn.is_speculating or turn.task.done():
+            return
+        if self._num_turn_speculations >= MAX_SPECULATIONS_PER_TURN:
+            return  # NOTE: a speaker who keeps pausing: the commit starts the response as without speculation
+        self._num_turn_speculations += 1
+        self.num_speculations += 1
+        turn.run.speculate()
+        turn.input.end()
+
+    async def _resume_turn(self) -> None:
+        """The speaker went on after a pause: a speculative request is dropped (aborted in every stage) and
+        the turn's request opens again with all its audio so far."""
+        turn = self._turn
+        if turn is None or not turn.is_speculating:
+            return
+        self.num_discarded_speculations += 1
+        await self._open_turn(self._turn_item_id, self._turn_start_ms, turn.run.partial_sent)
 
     async def _end_turn(self, is_committed: bool) -> None:
         """Speech stopped: the turn's stream ends and, with its audio committed, its response starts."""
@@ -255,9 +340,12 @@ class Session:
             return
         turn.input.end()
         self.conversation.add(turn.run.item)
+        turn.run.speech_end_at, self._speech_end_at = self._speech_end_at, None
         turn.run.start()  # NOTE: no await since the check above: the task cannot have ended unseen
         self._response, self._run, self.played_ms = turn.task, turn.run, None
         await self.emit(ResponseStarted(turn.run.response_id, turn.run.item.item_id))
+        if turn.run.is_held:
+            await turn.run.release()
 
     def _drop_turn(self) -> None:
         if self._turn is not None:
@@ -334,6 +422,7 @@ class Session:
         audio) would wait for a full garbage collection, which a server with a large heap runs rarely (a
         10-minute soak grew the server by 8.5 MB/min). Dropping `emit` and the last run here lets reference
         counting free it all at once; nothing may reach the client after this anyway."""
+        self._scorer.cancel()
         self._drop_turn()
         await self.cancel_response()
         self.emit, self._run, self._response = _discard, None, None

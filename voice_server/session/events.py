@@ -79,7 +79,10 @@ class ResponseDone:
     num_audio_ms: int
     """Audio sent (or, after a barge-in, heard)."""
     timings_ms: dict[str, float] = field(default_factory=dict)
-    """Each stage's first output after submit (`submit` excluded), and `first_audio_sent` at the session."""
+    """Each stage's first output after the response started (`submit` excluded), and at the session:
+    `first_audio_sent` (the first audio byte), `first_audible` (when the client hears the first audible
+    frame, `PlayoutClock`) and, for a spoken turn, `end_of_speech` (<= 0: the user's speech ended this
+    long before the response started; the reply gap a person perceives is `first_audible - end_of_speech`)."""
     error: str = ""
     usage: dict[str, int] = field(default_factory=dict)
     """Token counts the pipeline reported, as far as it did (`ResponseRun.usage`)."""

@@ -1,7 +1,7 @@
 """`WS /ws`: the native protocol (what the browser demo uses): binary PCM16 frames, JSON control.
 
 1. The client's first message is JSON `{"type": "session.start", "input_rate": 16000,
-   "output_rate": 24000, "instructions": "...", "turn_detection": {server_vad fields} | null,
+   "output_rate": 24000, "instructions": "...", "turn_detection": {server_vad or semantic_vad fields} | null,
    "params": {...}}` (every field optional; rates 8000/16000/24000/48000, default 24000; `params` go
    with every request, e.g. `{"sampling": {"max_tokens": 64}}`). The server answers `session.started`.
 2. Then binary frames are mono PCM16 little-endian audio at `input_rate`; text frames are JSON:
@@ -63,17 +63,18 @@ CLOSE_POLICY = 1008
 ENDPOINT = "native"
 
 
-def read_start(message: Any) -> SessionConfig:
-    """The `session.start` message -> the session's config; ValueError naming the field."""
+def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
+    """The `session.start` message -> the session's config; ValueError naming the field. A
+    `turn_detection` without a `type` (or none at all) is of `default_type`, the pipeline's."""
     if not isinstance(message, dict) or message.get("type") != "session.start":
         raise ValueError("the first message must be JSON {\"type\": \"session.start\", ...}")
     known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params"}
     unknown = sorted(str(k) for k in message if k not in known)
     if unknown:
         raise ValueError(f"session.start: unknown field(s) {', '.join(unknown)}")
-    raw_turns = message.get("turn_detection", {"type": "server_vad"})
+    raw_turns = message.get("turn_detection", {})
     turns = None if raw_turns is None else TurnDetectionConfig.from_openai(
-        {"type": "server_vad", **raw_turns} if isinstance(raw_turns, dict) else raw_turns)
+        {"type": default_type, **raw_turns} if isinstance(raw_turns, dict) else raw_turns)
     params = message.get("params", {})
     if not isinstance(params, dict):
         raise ValueError("params: must be an object")
@@ -139,7 +140,7 @@ class NativeConnection:
                 first = await self.guard.receive()
             if first["type"] == "websocket.disconnect":
                 return
-            config = read_start(json.loads(first.get("text") or "null"))
+            config = read_start(json.loads(first.get("text") or "null"), coordinator.cfg.turn_detection)
         # NOTE: RecursionError: json.loads of deeply nested text ("[[[[...") exhausts the recursion limit.
         except (TimeoutError, ValueError, TypeError, RecursionError) as exc:
             self.metrics.protocol_error("invalid_session_start")
@@ -148,7 +149,7 @@ class NativeConnection:
         session = Session(coordinator, config, self.emit)
         await self.guard.send_text(json.dumps({
             "type": "session.started", "input_rate": config.input_rate, "output_rate": config.output_rate,
-            "turn_detection": None if config.turn_detection is None else "server_vad"}))
+            "turn_detection": None if config.turn_detection is None else config.turn_detection.type}))
         try:
             while self.is_open:
                 message = await self.guard.receive()
@@ -171,7 +172,7 @@ class NativeConnection:
             await self.error("invalid_audio", str(exc))
             return
         await session.on_audio(np.ascontiguousarray(pcm))
-        self.metrics.count_barge_ins(session)
+        self.metrics.count_session(session)
 
     async def _on_control(self, session: Session, text: str) -> None:
         try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_float32
+from voice_server.audio import PlayoutClock, StreamResampler, float32_to_pcm16, pcm16_to_float32
 from voice_server.engine.requests import InputStream, RequestError, RequestStream, TerminalOutput
 from voice_server.session.conversation import Conversation, Item
 from voice_server.session.events import (
@@ -57,41 +58,95 @@ class ResponseRun:
         session -> run -> session a reference cycle, so every closed session (its socket, audio buffers,
         zlib streams, conversation audio) waited for a full garbage collection, which a server with a
         large heap runs rarely: +8.5 MB/min over a 10-minute soak."""
-        self._partial_sent = ""
+        self.partial_sent = ""
+        """The live transcript the client has been sent (deltas only ever extend it)."""
         self.timings_ms: dict[str, float] = {}
         self.usage: dict[str, int] = {}
         """`num_prompt_tokens`, `num_cached_tokens`, `num_output_tokens`, from the final outputs that carry them,
         else output tokens counted as text deltas (one per step in the AR stages)."""
         self.started_at = 0.0
         """When the response started: its submit, or the end of a streamed turn (`start`)."""
-        self.first_audio_at: float | None = None
+        self.speech_end_at: float | None = None
+        """When the user's speech that this response answers ended (the turn detector's estimate; the
+        end-of-turn silence lies between it and `started_at`), for spoken turns."""
+        self.playout = PlayoutClock(output_rate)
+        """When the client hears what was sent: `first_audible` is the latency a person perceives."""
         self.num_samples = 0
         self._resampler: StreamResampler | None = None
         self._resampler_rate = 0
+        self.opened_at = 0.0
+        """Since when stage outputs count as this response's (`speculate` or `start`)."""
+        self.is_held = False
+        """A speculative response: its outputs wait in `_held` until `release` (or the run is dropped)."""
+        self._held: deque[tuple[TerminalOutput, float]] = deque()
+        """Outputs not yet handled, with their arrival times."""
+        self._drain_lock = asyncio.Lock()
+        self._released = asyncio.Event()
+        self._stamps: dict[str, float] = {}
+        self.held_transcript: str | None = None
+        """The final transcript of the audio up to the pause, once a held response has it."""
 
     def start(self) -> None:
         self.started_at = time.monotonic()
+        self.opened_at = self.opened_at or self.started_at
+        if self.speech_end_at is not None:
+            self.timings_ms["end_of_speech"] = round(1000.0 * (self.speech_end_at - self.started_at), 3)
+        for stage, at in self._stamps.items():
+            # NOTE: negative for what a speculative response had done before its turn was committed.
+            self.timings_ms.setdefault(stage, round(1000.0 * (at - self.started_at), 3))
+
+    def speculate(self) -> None:
+        """The turn's input ended at a pause the turn may not end at: run on, but keep what comes back."""
+        self.opened_at, self.is_held = time.monotonic(), True
+
+    async def release(self) -> None:
+        """The turn was committed: send everything held back, in order, then stream on (call after `start`)."""
+        self.is_held = False
+        self._released.set()
+        await self._drain()
 
     async def consume(self, stream: RequestStream) -> str:
         """Stream an already submitted request's outputs (`RequestStream`); '' or the error message."""
         try:
             async for output in stream:
-                await self._on_output(output)
+                if self.is_held:
+                    if _is_partial_only(output):
+                        async with self._drain_lock:  # NOTE: the live transcript goes on; nothing else is sent
+                            await self._on_output(output, time.monotonic())
+                    else:
+                        final = output.payload.get("input_transcript")
+                        if isinstance(final, str):
+                            self.held_transcript = final  # NOTE: the turn detector weighs these words
+                        self._held.append((output, time.monotonic()))
+                    continue
+                self._held.append((output, time.monotonic()))
+                await self._drain()
         except RequestError as exc:
             return str(exc)
         finally:
             await stream.aclose()
+        if self.is_held:
+            await self._released.wait()  # NOTE: the whole speculative response came back before the commit
+        await self._drain()
         tail = self._resampler.flush() if self._resampler is not None else None
         if tail is not None and tail.size:
             await self._send_audio(tail)
         return ""
 
-    async def _on_output(self, output: TerminalOutput) -> None:
-        if self.started_at:
+    async def _drain(self) -> None:
+        # NOTE: `release` (the session's task) and `consume` (the run's) both drain; one at a time, in order.
+        async with self._drain_lock:
+            while self._held:
+                await self._on_output(*self._held.popleft())
+
+    async def _on_output(self, output: TerminalOutput, arrived_at: float) -> None:
+        if self.opened_at:
             for stage, at in output.timings.items():
-                if stage != "submit" and at >= self.started_at:
-                    self.timings_ms.setdefault(stage, round(1000.0 * (at - self.started_at), 3))
-        await self._on_transcript(output.payload)
+                if stage != "submit" and at >= self.opened_at and stage not in self._stamps:
+                    self._stamps[stage] = at
+                    if self.started_at:
+                        self.timings_ms.setdefault(stage, round(1000.0 * (at - self.started_at), 3))
+        await self._on_transcript(output.payload, arrived_at)
         if output.is_final:
             self._count_tokens(output.payload)
             return
@@ -107,16 +162,18 @@ class ResponseRun:
             samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
             await self._send_audio(self._resample(samples, rate))
 
-    async def _on_transcript(self, payload: dict[str, Any]) -> None:
+    async def _on_transcript(self, payload: dict[str, Any], arrived_at: float) -> None:
         partial, final = payload.get("input_transcript_partial"), payload.get("input_transcript")
-        if isinstance(partial, str) and partial.startswith(self._partial_sent) and partial != self._partial_sent:
+        if isinstance(partial, str) and partial.startswith(self.partial_sent) and partial != self.partial_sent:
             # NOTE: a recogniser revises its hypothesis; deltas are append-only, so a revision waits
             # for the final transcript (which replaces the deltas) or for the text to grow past it.
-            delta, self._partial_sent = partial[len(self._partial_sent):], partial
+            delta, self.partial_sent = partial[len(self.partial_sent):], partial
             await self.emit(InputTranscriptDelta(self.user_item_id, delta))
         if isinstance(final, str):
-            if self.started_at:
-                self.timings_ms.setdefault("transcript", round(1000.0 * (time.monotonic() - self.started_at), 3))
+            if self.opened_at:
+                at = self._stamps.setdefault("transcript", arrived_at)
+                if self.started_at:
+                    self.timings_ms.setdefault("transcript", round(1000.0 * (at - self.started_at), 3))
             if self.conversation is not None:
                 self.conversation.set_transcript(self.user_item_id, final)
             await self.emit(InputTranscriptDone(self.user_item_id, final))
@@ -143,12 +200,23 @@ class ResponseRun:
         if not samples.size:
             return
         pcm16 = float32_to_pcm16(np.nan_to_num(samples, nan=0.0, posinf=1.0, neginf=-1.0))
-        if self.first_audio_at is None:
-            self.first_audio_at = time.monotonic()
-            self.timings_ms["first_audio_sent"] = round(1000.0 * (self.first_audio_at - self.started_at), 3)
+        playout = self.playout
+        was_audible = playout.first_audible_at is not None
+        playout.sent(pcm16, time.monotonic())
+        if "first_audio_sent" not in self.timings_ms and playout.first_byte_at is not None:
+            self.timings_ms["first_audio_sent"] = round(1000.0 * (playout.first_byte_at - self.started_at), 3)
+        if not was_audible and playout.first_audible_at is not None:
+            self.timings_ms["first_audible"] = round(1000.0 * (playout.first_audible_at - self.started_at), 3)
         self.num_samples += pcm16.size
         self.item.num_audio_ms = self.num_samples * 1000 // self.output_rate
         await self.emit(AudioDelta(self.response_id, self.item.item_id, pcm16))
+
+
+def _is_partial_only(output: TerminalOutput) -> bool:
+    """An output that only revises the user's live transcript: shown at once even while a response is held."""
+    payload = output.payload
+    return (not output.is_final and "input_transcript_partial" in payload
+            and not any(key in payload for key in ("input_transcript", "text", "pcm")))
 
 
 @dataclass
@@ -162,8 +230,15 @@ class OpenTurn:
     resampler: StreamResampler | None
     """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
 
+    @property
+    def is_speculating(self) -> bool:
+        """The input ended at a pause (`ResponseRun.speculate`); the turn is not committed yet."""
+        return self.input.is_ended
+
     def send(self, pcm16: npt.NDArray[np.int16]) -> None:
         """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
+        if self.input.is_ended:
+            return  # NOTE: speculating: the pause's silence is not the request's; speech resuming reopens it
         audio = pcm16_to_float32(pcm16)
         if self.resampler is not None:
             audio = self.resampler.process(audio)

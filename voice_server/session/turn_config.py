@@ -1,4 +1,8 @@
-"""Turn-detection settings of a session: the OpenAI Realtime ``server_vad`` object, validated.
+"""Turn-detection settings of a session: the OpenAI Realtime ``server_vad`` or ``semantic_vad`` object, validated.
+
+``server_vad`` ends a turn after a fixed silence (``TurnDetector``, webrtcvad). ``semantic_vad`` ends it
+when the speaker sounds done (``SemanticTurnDetector``: Silero VAD for speech, Smart Turn for the end
+of the turn), waiting longer after a pause that sounds unfinished; ``eagerness`` sets how readily.
 
 Every error names the field as a client wrote it, e.g. ``turn_detection.threshold: must be in [0, 1], got 2``,
 so a ``session.update`` can be answered with an error event that says exactly what to fix.
@@ -14,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MIN_SPEECH_MS", "TurnDetectionConfig"]
+__all__ = ["DEFAULT_MIN_SPEECH_MS", "EAGERNESS", "Eagerness", "TurnDetectionConfig"]
 
 # NOTE: not an OpenAI field; 120 ms rejects clicks, coughs' onsets and keyboard taps (tens of ms, which
 # webrtcvad flags as voiced for a frame or two) while the shortest real barge-ins ("no", "wait") last
@@ -37,6 +41,30 @@ _OPENAI_KEYS = (
     "interrupt_response",
     "idle_timeout_ms",
 )
+_SEMANTIC_KEYS = ("type", "eagerness", "create_response", "interrupt_response")
+TYPES = ("server_vad", "semantic_vad")
+
+
+@dataclass(frozen=True)
+class Eagerness:
+    """How `semantic_vad` decides, per OpenAI `eagerness`: commit once the end-of-turn model's
+    probability is at least `min_complete` and the speaker has been silent `min_silence_ms`; commit
+    whatever the model says after `max_silence_ms` of silence."""
+
+    min_complete: float
+    min_silence_ms: int
+    max_silence_ms: int
+
+
+# NOTE: OpenAI documents only the maximum waits (8 s / 4 s / 2 s); a caller on a phone hears 8 s as a dead
+# line, so the waits here are shorter, and `auto` is `medium` as OpenAI says. `min_silence_ms`: Silero
+# needs ~100 ms of silence to say speech stopped at all; the rest is the margin against a breath.
+EAGERNESS = {
+    "low": Eagerness(min_complete=0.8, min_silence_ms=300, max_silence_ms=3000),
+    "medium": Eagerness(min_complete=0.5, min_silence_ms=200, max_silence_ms=2000),
+    "high": Eagerness(min_complete=0.3, min_silence_ms=120, max_silence_ms=1200),
+}
+EAGERNESS["auto"] = EAGERNESS["medium"]
 
 
 def _error(field: str, message: str) -> ValueError:
@@ -59,6 +87,8 @@ class TurnDetectionConfig:
     moved earlier by it. ``silence_duration_ms``: silence that ends a turn. ``min_speech_ms``: speech
     shorter than this never opens a turn. ``create_response``, ``interrupt_response`` and
     ``idle_timeout_ms`` (None: no idle timeout) are kept for the session; the detector ignores them.
+    ``type`` ``semantic_vad`` ends turns by ``eagerness`` (``EAGERNESS``) instead of ``silence_duration_ms``
+    and ``threshold``, which it does not use.
     """
 
     threshold: float = 0.5
@@ -68,8 +98,23 @@ class TurnDetectionConfig:
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
+    type: str = "server_vad"
+    eagerness: str = "auto"
+
+    @property
+    def is_semantic(self) -> bool:
+        return self.type == "semantic_vad"
+
+    @property
+    def rules(self) -> Eagerness:
+        """`semantic_vad`'s decision rule for `eagerness`."""
+        return EAGERNESS[self.eagerness]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.type, str) or self.type not in TYPES:
+            raise _error("type", f"must be one of {', '.join(map(repr, TYPES))}, got {self.type!r:.40}")
+        if not isinstance(self.eagerness, str) or self.eagerness not in EAGERNESS:
+            raise _error("eagerness", f"must be one of {', '.join(map(repr, EAGERNESS))}, got {self.eagerness!r:.40}")
         threshold = self.threshold
         # NOTE: isfinite only for floats: a huge JSON integer would overflow the conversion (OverflowError).
         if isinstance(threshold, bool) or not isinstance(threshold, int | float) or (
@@ -91,17 +136,21 @@ class TurnDetectionConfig:
 
     @classmethod
     def from_openai(cls, d: Mapping[str, Any], *, min_speech_ms: int = DEFAULT_MIN_SPEECH_MS) -> TurnDetectionConfig:
-        """The config of an OpenAI ``turn_detection`` object of type ``server_vad``; absent keys keep defaults.
+        """The config of an OpenAI ``turn_detection`` object (``server_vad`` or ``semantic_vad``); absent
+        keys keep defaults.
 
-        Unknown keys are refused (a misspelt ``silence_duration`` must not silently keep the default).
-        ``min_speech_ms`` is the server's own setting, not a client field.
+        Unknown keys are refused (a misspelt ``silence_duration`` must not silently keep the default), and
+        so are ``server_vad`` keys on ``semantic_vad``, as OpenAI does. ``min_speech_ms`` is the server's
+        own setting, not a client field.
         """
         if not isinstance(d, Mapping):
             raise ValueError(f"turn_detection: must be an object, got {type(d).__name__}")
-        unknown = sorted(str(key) for key in d if key not in _OPENAI_KEYS)
+        kind = d.get("type")
+        if not isinstance(kind, str) or kind not in TYPES:
+            raise _error("type", f"must be one of {', '.join(map(repr, TYPES))}, got {kind!r:.40}")
+        keys = _SEMANTIC_KEYS if kind == "semantic_vad" else _OPENAI_KEYS
+        unknown = sorted(str(key) for key in d if key not in keys)
         if unknown:
-            raise ValueError(f"turn_detection: unknown key(s) {', '.join(map(repr, unknown))}; expected {_OPENAI_KEYS}")
-        if d.get("type") != "server_vad":
-            raise _error("type", f"must be 'server_vad', got {d.get('type')!r}")
-        fields = {key: value for key, value in d.items() if key != "type"}
-        return cls(**fields, min_speech_ms=min_speech_ms)
+            raise ValueError(f"turn_detection: unknown key(s) {', '.join(map(repr, unknown))} for {kind}; "
+                             f"expected {keys}")
+        return cls(**dict(d), min_speech_ms=min_speech_ms)

@@ -114,9 +114,15 @@ class SpeechStarted:
 
 @dataclass(frozen=True)
 class SpeechStopped:
-    """A turn ended; ``audio_end_ms`` includes the closing silence (input timeline, ms)."""
+    """A turn ended; ``audio_end_ms`` includes the closing silence, ``speech_end_ms`` (<= it) is where the
+    speech itself ended: the moment a listener starts waiting for the reply (input timeline, ms)."""
 
     audio_end_ms: int
+    speech_end_ms: int = -1
+
+    def __post_init__(self) -> None:
+        if self.speech_end_ms < 0:
+            object.__setattr__(self, "speech_end_ms", self.audio_end_ms)
 
 
 TurnEvent = SpeechStarted | SpeechStopped
@@ -140,6 +146,8 @@ class TurnDetector:
         self.num_start_window = math.ceil(self.num_start_frames / start_ratio(config.threshold))
         hangover_long = HANGOVER_FRAMES[self.vad_mode][1]
         self.num_stop_frames = max(1, math.ceil(config.silence_duration_ms / FRAME_MS) - hangover_long)
+        self._num_silent_frames = self.num_stop_frames + hangover_long
+        """Frames between the end of speech and the stop: the unvoiced run and webrtcvad's hangover."""
         self._vad = webrtcvad.Vad(self.vad_mode)
         self._resampler = None if input_rate in _VAD_RATES else StreamResampler(input_rate, _RESAMPLE_RATE)
         self._vad_rate = input_rate if self._resampler is None else _RESAMPLE_RATE
@@ -255,5 +263,6 @@ class TurnDetector:
         if self._num_unvoiced_run < self.num_stop_frames:
             return None
         audio_end_ms = (frame_index + 1) * FRAME_MS
+        speech_end_ms = max(self._turn_start_ms, audio_end_ms - self._num_silent_frames * FRAME_MS)
         self.reset()
-        return SpeechStopped(audio_end_ms)
+        return SpeechStopped(audio_end_ms, speech_end_ms)

@@ -15,6 +15,8 @@ factory_args (all optional):
   hibari only: piper's model draws its own noise, so a seed there would promise what it cannot keep.
 - `min_clause_chars` (10), `max_clause_chars` (240): the clause rule (`voice_server/runners/clauses.py`).
 - `max_text_chars` (32768): longest text one request may bring; a longer one is refused alone.
+- `trim_silence` (true): trim the engine's silence around each sentence; `clause_pause_ms` (150) and
+  `sentence_pause_ms` (300): the pauses put between clauses instead (`voice_server/runners/speech_edges.py`).
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ from typing import Any
 from voice_server.config.errors import fail, quoted, show
 from voice_server.engine.runtime import StageContext
 from voice_server.runners.clauses import ClauseRules
+from voice_server.runners.speech_edges import EdgeRules
 from voice_server.runners.synthesizers import Synthesizer
 from voice_server.runners.tts_runner import TTSRunner, TTSRunnerConfig
 from voice_server.stages.tts_engines import HIBARI_VOICE, PIPER_VOICE, load_hibari, load_piper
 
 log = logging.getLogger(__name__)
 
-FACTORY_ARGS = ("engine", "num_threads", "speed", "seed", "min_clause_chars", "max_clause_chars", "max_text_chars")
+FACTORY_ARGS = ("engine", "num_threads", "speed", "seed", "min_clause_chars", "max_clause_chars", "max_text_chars",
+                "trim_silence", "clause_pause_ms", "sentence_pause_ms")
 ENGINES: dict[str, tuple[str, str, Callable[[str, int], Synthesizer]]] = {
     "hibari": ("hibari-tts", HIBARI_VOICE, load_hibari),
     "piper": ("piper", PIPER_VOICE, load_piper),
@@ -62,8 +66,18 @@ def create_tts(ctx: StageContext) -> TTSRunner:
         raise fail(where, "factory_args.speed", f"must be a number in [0.5, 2.0], got {show(speed)}")
     if engine == "piper" and "seed" in args:
         raise fail(where, "factory_args.seed", "hibari only: piper's model draws its own noise (no seed input)")
+    is_trimmed = args.get("trim_silence", True)
+    if not isinstance(is_trimmed, bool):
+        raise fail(where, "factory_args.trim_silence", f"must be true or false, got {show(is_trimmed)}")
+    pauses = {key: _int(where, args, key, default, minimum=0)
+              for key, default in (("clause_pause_ms", 150), ("sentence_pause_ms", 300))}
+    try:
+        edges = EdgeRules(is_trimmed=is_trimmed, **pauses)
+    except ValueError as exc:
+        field = next((key for key in pauses if key in str(exc)), "sentence_pause_ms")
+        raise fail(where, f"factory_args.{field}", str(exc)) from exc
     config = TTSRunnerConfig(float(speed), _int(where, args, "seed", 0, minimum=0),
-                             _int(where, args, "max_text_chars", 32768, minimum=1), rules)
+                             _int(where, args, "max_text_chars", 32768, minimum=1), rules, edges)
 
     start = time.perf_counter()
     ctx.progress(f"loading {label} (voice {voice}, {num_threads} thread(s))")

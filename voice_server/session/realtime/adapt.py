@@ -7,7 +7,7 @@ Config mapping (a Realtime ``SessionConfig`` -> the core's):
   ``audio/pcma`` are decoded to PCM16 at 8 kHz and the session runs at ``input_rate`` 8000 (no
   resampling before turn detection: the detector works at any supported rate). The output format
   likewise sets ``output_rate`` (24000 or 8000) and how each audio delta is encoded.
-- ``instructions``; ``turn_detection``: ``server_vad`` -> ``TurnDetectionConfig`` (whose server-side
+- ``instructions``; ``turn_detection``: ``server_vad`` or ``semantic_vad`` -> ``TurnDetectionConfig`` (whose server-side
   bounds are tighter than the protocol's: e.g. ``prefix_padding_ms`` <= 5000; a value past them is
   refused), ``null`` -> manual turns.
 - ``max_output_tokens`` and ``temperature`` -> ``params.sampling`` of every request.
@@ -45,7 +45,7 @@ def core_config(session: RealtimeConfig) -> CoreConfig:
     turns = None if vad is None else TurnDetectionConfig(
         threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms, silence_duration_ms=vad.silence_duration_ms,
         create_response=vad.create_response, interrupt_response=vad.interrupt_response,
-        idle_timeout_ms=vad.idle_timeout_ms)
+        idle_timeout_ms=vad.idle_timeout_ms, type=vad.type, eagerness=vad.eagerness)
     sampling = sampling_params(session.max_output_tokens, session.temperature)
     return CoreConfig(input_rate=session.input_format.rate_hz, output_rate=session.output_format.rate_hz,
                       instructions=session.instructions, turn_detection=turns,

@@ -24,6 +24,7 @@ session's events onto server events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -59,6 +60,7 @@ from voice_server.session.realtime.events import (
     parse_client_event,
 )
 from voice_server.session.realtime.session_config import DEFAULT_SESSION
+from voice_server.session.realtime.session_fields import ServerVad
 
 SUBPROTOCOLS = ("realtime", "openai-beta.realtime-v1")
 """Offered subprotocols the server may pick, in order of preference (never the one carrying a key)."""
@@ -75,7 +77,10 @@ class RealtimeConnection:
 
     def __init__(self, websocket: WebSocket, coordinator: Any, guard: SessionGuard, metrics: ConnectionMetrics) -> None:
         self.websocket, self.guard, self.metrics = websocket, guard, metrics
-        self.config = DEFAULT_SESSION
+        # NOTE: a new session's turn detection is the pipeline's default (the client may change it).
+        kind = coordinator.cfg.turn_detection
+        self.config = DEFAULT_SESSION if kind == "server_vad" else dataclasses.replace(
+            DEFAULT_SESSION, turn_detection=ServerVad(type=kind))
         self.session = Session(coordinator, core_config(self.config), self.emit)
         self.bridge = Bridge(self.session.conversation, self.config)
         self.pace = InputPace()
@@ -162,7 +167,7 @@ class RealtimeConnection:
             return
         if pcm.size:
             await self.session.on_audio(pcm)
-            self.metrics.count_barge_ins(self.session)
+            self.metrics.count_session(self.session)
 
     async def on_commit(self, event: InputAudioBufferCommit) -> None:
         await self.session.commit()  # NOTE: an empty buffer is the session's error event

@@ -29,6 +29,8 @@ G711_RATE_HZ = 8000
 FORMAT_RATES_HZ = {"audio/pcm": PCM_RATE_HZ, "audio/pcmu": G711_RATE_HZ, "audio/pcma": G711_RATE_HZ}
 BETA_FORMATS = {"pcm16": "audio/pcm", "g711_ulaw": "audio/pcmu", "g711_alaw": "audio/pcma"}
 MODALITIES = ("audio", "text")
+VAD_TYPES = ("server_vad", "semantic_vad")
+EAGERNESS_LEVELS = ("low", "medium", "high", "auto")
 NOISE_REDUCTION_TYPES = ("near_field", "far_field")
 MAX_OUTPUT_TOKENS_LIMIT = 4096
 
@@ -57,7 +59,8 @@ class AudioFormat:
 
 @dataclass(frozen=True)
 class ServerVad:
-    """``server_vad`` turn detection; field names follow the wire (``create_response``...)."""
+    """``server_vad`` or ``semantic_vad`` turn detection (``type``); field names follow the wire
+    (``create_response``...). ``semantic_vad`` uses ``eagerness`` and not the silence fields."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
@@ -65,8 +68,13 @@ class ServerVad:
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
+    type: str = "server_vad"
+    eagerness: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.type not in VAD_TYPES or self.eagerness not in EAGERNESS_LEVELS:
+            raise ValueError(f"type must be one of {VAD_TYPES} and eagerness one of {EAGERNESS_LEVELS}, got "
+                             f"{self.type!r}, {self.eagerness!r}")
         if not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold must be in [0, 1], got {self.threshold}")
         if self.prefix_padding_ms < 0 or self.silence_duration_ms < 0:
@@ -76,6 +84,9 @@ class ServerVad:
             raise ValueError(f"idle_timeout_ms must be > 0 or None, got {self.idle_timeout_ms}")
 
     def to_ga_dict(self) -> dict[str, Any]:
+        if self.type == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
                 "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}
@@ -124,10 +135,13 @@ def parse_turn_detection(raw: object, path: str) -> ServerVad | None:
     if raw is None:
         return None
     vad = as_object(raw, path)
-    kind = as_str(require(vad, "type", path), join(path, "type"))
+    kind = as_choice(as_str(require(vad, "type", path), join(path, "type")), join(path, "type"), VAD_TYPES)
     if kind == "semantic_vad":
-        raise FieldError(UNSUPPORTED, "semantic_vad is not supported; use server_vad or null.", join(path, "type"))
-    as_choice(kind, join(path, "type"), ("server_vad", "semantic_vad"))
+        check_keys(vad, path, {"type", "eagerness", "create_response", "interrupt_response"})
+        return ServerVad(
+            type=kind, eagerness=as_choice(vad.get("eagerness", "auto"), join(path, "eagerness"), EAGERNESS_LEVELS),
+            create_response=as_bool(vad.get("create_response", True), join(path, "create_response")),
+            interrupt_response=as_bool(vad.get("interrupt_response", True), join(path, "interrupt_response")))
     check_keys(vad, path, {"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
                            "interrupt_response", "idle_timeout_ms"})
     defaults = ServerVad()

@@ -77,7 +77,8 @@ class TwilioSettings:
     token: str | None = None
     """None: no authentication (any client that speaks the protocol gets a session)."""
     instructions: str = ""
-    turn_detection: TurnDetectionConfig | None = TurnDetectionConfig()
+    turn_detection: TurnDetectionConfig | None = None
+    """None: the pipeline's default (`PipelineConfig.turn_detection`); a call has no manual turns."""
     params: tuple[tuple[str, Any], ...] = ()
     """Request params of every response (e.g. sampling), as in `SessionConfig`."""
     listener: CallListener | None = None
@@ -86,11 +87,12 @@ class TwilioSettings:
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("twilio token: must be a non-empty string or None")
 
-    def session_config(self, start: TwilioStart) -> SessionConfig:
+    def session_config(self, start: TwilioStart, default_type: str = "server_vad") -> SessionConfig:
         """The call's session config; ValueError for instructions `SessionConfig` refuses."""
         instructions = start.custom_parameters.get(INSTRUCTIONS_PARAMETER, self.instructions)
+        turns = self.turn_detection or TurnDetectionConfig(type=default_type)
         return SessionConfig(input_rate=TWILIO_SAMPLE_RATE, output_rate=TWILIO_SAMPLE_RATE, instructions=instructions,
-                             turn_detection=self.turn_detection, params=self.params)
+                             turn_detection=turns, params=self.params)
 
 
 class TwilioConnection:
@@ -131,7 +133,7 @@ class TwilioConnection:
             await self._close(CLOSE_POLICY_VIOLATION, "not authorized")
             return
         try:
-            config = self.settings.session_config(start)
+            config = self.settings.session_config(start, coordinator.cfg.turn_detection)
         except ValueError as exc:
             await self._close(CLOSE_POLICY_VIOLATION, str(exc))
             return
@@ -182,7 +184,7 @@ class TwilioConnection:
                 return
             if isinstance(message, TwilioMedia):
                 await session.on_audio(message.pcm16())
-                self.metrics.count_barge_ins(session)
+                self.metrics.count_session(session)
             elif isinstance(message, TwilioMark):
                 # NOTE: only an echo that moved the played position can change what was heard.
                 if self.tracker.on_mark(message.name):

@@ -1,0 +1,157 @@
+"""The `semantic_vad` end-of-turn state machine with scripted speech probabilities and scores (no model):
+a turn opens on enough speech, a pause asks for a score, a complete-sounding turn commits after the
+eagerness's minimum silence, an unfinished one waits up to its maximum, a resumed speaker voids the
+pause's score, and the config speaks OpenAI's `semantic_vad`."""
+
+from __future__ import annotations
+
+import pytest
+
+from voice_server.session.end_of_turn import (
+    WINDOW_MS,
+    EndOfTurn,
+    Phase,
+    SilenceStarted,
+    SpeechResumed,
+    words_suggest_more,
+)
+from voice_server.session.turn_config import EAGERNESS, TurnDetectionConfig
+from voice_server.session.vad import SpeechStarted, SpeechStopped
+
+SEMANTIC = TurnDetectionConfig(type="semantic_vad", prefix_padding_ms=96)
+
+
+def run(machine: EndOfTurn, probabilities: list[float]) -> list[tuple[int, object]]:
+    """(window index, event) of every event the windows produce."""
+    out = []
+    for probability in probabilities:
+        index = machine.num_windows
+        out.extend((index, event) for event in machine.step(probability))
+    return out
+
+
+def windows(ms: int) -> int:
+    return -(-ms // WINDOW_MS)
+
+
+def speak(machine: EndOfTurn, ms: int = 640) -> SilenceStarted:
+    """Silence, then speech of `ms`, then silence until the pause is seen; returns its `SilenceStarted`."""
+    events = run(machine, [0.0] * 5 + [0.9] * windows(ms) + [0.05] * 3)
+    assert [type(e) for _, e in events] == [SpeechStarted, SilenceStarted]
+    return events[1][1]  # type: ignore[return-value]
+
+
+def test_a_turn_opens_after_min_speech_with_its_prefix_padding() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    assert machine.num_start_windows == 4  # NOTE: 120 ms of speech -> four 32 ms windows
+    events = run(machine, [0.0] * 10 + [0.9] * 3 + [0.0] + [0.9] * 4)
+    (index, started), = events
+    assert index == 17 and started == SpeechStarted(14 * WINDOW_MS - 96)
+    assert machine.phase is Phase.SPEAKING
+
+
+def test_a_short_blip_and_a_flickering_probability_open_nothing() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    # NOTE: 0.4 is between the thresholds (0.35 / 0.5): it neither counts as speech nor breaks a run.
+    assert run(machine, [0.9, 0.9, 0.9, 0.0, 0.4, 0.4, 0.9, 0.0, 0.9, 0.9, 0.4, 0.9, 0.0]) == []
+    assert run(machine, [0.9, 0.4, 0.9, 0.9, 0.9]) != []  # NOTE: the in-between window kept the run
+
+
+def test_a_complete_turn_commits_once_scored_and_silent_long_enough() -> None:
+    machine = EndOfTurn(SEMANTIC)  # eagerness auto = medium
+    rules = EAGERNESS["medium"]
+    pause = speak(machine)
+    speech_end = pause.speech_end_ms
+    assert machine.now_ms - speech_end == 96 and machine.phase is Phase.PAUSED
+    assert machine.on_score(pause.token, 0.9) == []  # NOTE: 96 ms of silence < min_silence_ms
+    events = run(machine, [0.0] * 5)
+    (index, stopped), = events
+    # NOTE: at the first window that makes the silence at least min_silence_ms.
+    assert stopped == SpeechStopped(speech_end + windows(rules.min_silence_ms) * WINDOW_MS, speech_end)
+    assert machine.phase is Phase.IDLE and machine.turn_start_ms is None
+
+
+def test_a_late_score_commits_at_once() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    assert run(machine, [0.0] * 10) == []  # NOTE: no score yet: the commit waits for it
+    (stopped,) = machine.on_score(pause.token, 0.7)
+    assert stopped == SpeechStopped(machine.now_ms, pause.speech_end_ms)
+
+
+def test_an_unfinished_turn_waits_for_the_maximum_silence() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    assert machine.on_score(pause.token, 0.2) == []
+    max_windows = windows(EAGERNESS["medium"].max_silence_ms)
+    events = run(machine, [0.0] * (max_windows - 3))
+    (index, stopped), = events
+    assert stopped.audio_end_ms - pause.speech_end_ms == max_windows * WINDOW_MS
+    assert index == machine.num_windows - 1
+
+
+def test_a_resumed_speaker_voids_the_pause_and_its_score() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    resumed = run(machine, [0.9, 0.9])
+    assert [type(e) for _, e in resumed] == [SpeechResumed] and machine.phase is Phase.SPEAKING
+    assert machine.on_score(pause.token, 0.99) == []  # NOTE: the old pause's score is ignored
+    events = run(machine, [0.9] * 5 + [0.0] * 3)
+    (_, second), = events
+    assert isinstance(second, SilenceStarted) and second.token != pause.token
+    assert second.speech_end_ms > pause.speech_end_ms
+    assert machine.on_score(second.token, 0.99) == []  # NOTE: 96 ms so far
+    stopped = run(machine, [0.0] * (windows(EAGERNESS["medium"].min_silence_ms) - 3))
+    assert [type(e) for _, e in stopped] == [SpeechStopped]
+
+
+def test_one_speech_window_in_a_pause_does_not_resume_it() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    assert run(machine, [0.9, 0.0]) == []  # NOTE: a click: 32 ms < the 64 ms that resume
+    assert machine.on_score(pause.token, 0.9) == [] and machine.phase is Phase.PAUSED
+    events = run(machine, [0.0] * 3)
+    assert [type(e) for _, e in events] == [SpeechStopped]
+
+
+@pytest.mark.parametrize("eagerness", ["low", "medium", "high"])
+def test_eagerness_orders_the_waits(eagerness: str) -> None:
+    machine = EndOfTurn(TurnDetectionConfig(type="semantic_vad", eagerness=eagerness))
+    pause = speak(machine)
+    rules = EAGERNESS[eagerness]
+    # NOTE: a middling score commits only where the eagerness accepts it.
+    is_committed = bool(machine.on_score(pause.token, 0.6) or run(machine, [0.0] * windows(rules.min_silence_ms)))
+    assert is_committed == (rules.min_complete <= 0.6)
+    low, medium, high = EAGERNESS["low"], EAGERNESS["medium"], EAGERNESS["high"]
+    assert low.max_silence_ms > medium.max_silence_ms > high.max_silence_ms
+    assert low.min_complete > medium.min_complete > high.min_complete and EAGERNESS["auto"] == medium
+
+
+def test_reset_forgets_the_turn_and_a_later_turn_starts_after_it() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    machine.reset()
+    assert machine.phase is Phase.IDLE and machine.on_score(pause.token, 0.99) == []
+    floor = machine.now_ms
+    (_, started), = run(machine, [0.9] * 4)
+    assert started == SpeechStarted(floor)  # NOTE: the padding stops at the reset
+
+
+def test_semantic_vad_config_is_openais() -> None:
+    config = TurnDetectionConfig.from_openai({"type": "semantic_vad", "eagerness": "high", "interrupt_response": False})
+    assert config.is_semantic and config.rules == EAGERNESS["high"] and not config.interrupt_response
+    assert TurnDetectionConfig.from_openai({"type": "semantic_vad"}).eagerness == "auto"
+    with pytest.raises(ValueError, match=r"unknown key\(s\) 'silence_duration_ms' for semantic_vad"):
+        TurnDetectionConfig.from_openai({"type": "semantic_vad", "silence_duration_ms": 500})
+    with pytest.raises(ValueError, match=r"turn_detection\.eagerness: must be one of"):
+        TurnDetectionConfig.from_openai({"type": "semantic_vad", "eagerness": "eager"})
+    with pytest.raises(ValueError, match=r"turn_detection\.eagerness"):
+        TurnDetectionConfig(type="semantic_vad", eagerness=["low"])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("words", "is_more"), [
+    ("i would like to book a", True), ("my name is john and", True), ("I'd like the", True), ("so um", True),
+    ("what is the capital of france", False), ("what is it for", False), ("yes i can", False), ("", False),
+    ("thank you", False), ("Because.", True)])
+def test_words_that_cannot_end_a_sentence_hold_the_turn_open(words: str, is_more: bool) -> None:
+    assert words_suggest_more(words) is is_more

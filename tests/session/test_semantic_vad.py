@@ -1,0 +1,99 @@
+"""`SemanticTurnDetector` over the real models (Silero VAD, Smart Turn) on speech synthesised at test
+time: a question ends its turn soon after the last word, a noise burst or a cough opens none, any input
+rate gives the same timeline, bad input is refused, and `make_detector` picks the detector by type."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from speech_text import ASR_RATE, speech
+
+from voice_server.audio import float32_to_pcm16, frame_levels_db, resample_signal
+from voice_server.session.config import SessionConfig
+from voice_server.session.detectors import make_detector
+from voice_server.session.end_of_turn import SilenceStarted
+from voice_server.session.semantic_vad import SemanticTurnDetector
+from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.vad import SpeechStarted, SpeechStopped, TurnDetector
+
+SEMANTIC = TurnDetectionConfig(type="semantic_vad")
+
+
+def feed_all(detector: SemanticTurnDetector, audio: np.ndarray, rate: int) -> list[tuple[int, object]]:
+    """(input ms at which each event came, event), 20 ms chunks, each pause scored at once."""
+    pcm, step, out = float32_to_pcm16(audio), rate // 50, []
+    for i in range(0, pcm.size, step):
+        for event in detector.feed(pcm[i:i + step]):
+            now_ms = (i + step) * 1000 // rate
+            out.append((now_ms, event))
+            if isinstance(event, SilenceStarted):
+                start = detector.turn_start_ms or 0
+                scored = detector.on_score(event.token, detector.score(pcm[start * rate // 1000: i + step]))
+                out.extend((now_ms, e) for e in scored)
+    return out
+
+
+def room(ms: int, rate: int = ASR_RATE, seed: int = 0) -> np.ndarray:
+    """An open microphone's floor: -60 dBFS of noise."""
+    return (1e-3 * np.random.default_rng(seed).standard_normal(rate * ms // 1000)).astype(np.float32)
+
+
+def last_loud_ms(audio: np.ndarray, rate: int) -> int:
+    return int(np.flatnonzero(frame_levels_db(audio, rate) >= -40.0)[-1] + 1) * 10
+
+
+def test_a_question_ends_its_turn_soon_after_the_last_word() -> None:
+    audio = speech("What is the capital of France?", silence_s=0.5)
+    audio = audio + room(audio.size * 1000 // ASR_RATE)[: audio.size]
+    events = feed_all(SemanticTurnDetector(SEMANTIC, ASR_RATE), audio, ASR_RATE)
+    kinds = [type(e) for _, e in events]
+    assert kinds == [SpeechStarted, SilenceStarted, SpeechStopped], events
+    end_ms = last_loud_ms(audio, ASR_RATE)
+    stopped_at, stopped = events[-1]
+    assert isinstance(stopped, SpeechStopped)
+    # NOTE: the quiet gate puts the end of speech within a window of the last loud frame, and the commit
+    # comes at the eagerness's minimum silence after it (the score was in at the pause).
+    assert abs(stopped.speech_end_ms - end_ms) <= 64, (stopped, end_ms)
+    assert stopped_at - end_ms <= SEMANTIC.rules.min_silence_ms + 96
+
+
+@pytest.mark.parametrize("kind", ["burst", "cough"])
+def test_a_noise_burst_or_a_cough_opens_no_turn(kind: str) -> None:
+    rng = np.random.default_rng(1)
+    if kind == "burst":
+        sound = (10 ** (-25 / 20) * rng.standard_normal(ASR_RATE * 180 // 1000)).astype(np.float32)
+    else:
+        t = np.arange(ASR_RATE * 300 // 1000) / ASR_RATE
+        envelope = np.minimum(t / 0.03, 1.0) * np.exp(-t / 0.08)
+        sound = (0.3 * envelope * rng.standard_normal(t.size)).astype(np.float32)
+    audio = np.concatenate([room(500), sound, room(1500, seed=2)])
+    assert feed_all(SemanticTurnDetector(SEMANTIC, ASR_RATE), audio, ASR_RATE) == []
+
+
+@pytest.mark.parametrize("rate", [8000, 24000, 48000])
+def test_every_input_rate_gives_the_same_timeline(rate: int) -> None:
+    audio = speech("How many legs does a spider have?", silence_s=0.5)
+    base = [(type(e), getattr(e, "audio_start_ms", None)) for _, e in feed_all(
+        SemanticTurnDetector(SEMANTIC, ASR_RATE), audio, ASR_RATE)]
+    other = [(type(e), getattr(e, "audio_start_ms", None)) for _, e in feed_all(
+        SemanticTurnDetector(SEMANTIC, rate), resample_signal(audio, ASR_RATE, rate), rate)]
+    assert [kind for kind, _ in other] == [kind for kind, _ in base]
+    assert abs((other[0][1] or 0) - (base[0][1] or 0)) <= 64  # NOTE: within two windows
+
+
+def test_bad_input_is_refused() -> None:
+    detector = SemanticTurnDetector(SEMANTIC, ASR_RATE)
+    with pytest.raises(ValueError, match="1-D float32 or int16"):
+        detector.feed(np.zeros((2, 160), np.float32))
+    with pytest.raises(ValueError, match="non-finite"):
+        detector.feed(np.array([0.0, np.nan], np.float32))
+    with pytest.raises(ValueError, match="input_rate"):
+        SemanticTurnDetector(SEMANTIC, 11025)
+    with pytest.raises(ValueError, match="semantic_vad"):
+        SemanticTurnDetector(TurnDetectionConfig(), ASR_RATE)
+
+
+def test_the_session_config_picks_the_detector() -> None:
+    assert isinstance(make_detector(SessionConfig(turn_detection=SEMANTIC)), SemanticTurnDetector)
+    assert isinstance(make_detector(SessionConfig()), TurnDetector)
+    assert make_detector(SessionConfig(turn_detection=None)) is None

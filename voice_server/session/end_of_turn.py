@@ -1,0 +1,175 @@
+"""`EndOfTurn`: the state machine of `semantic_vad`, on per-window speech probabilities and end-of-turn
+scores. No model and no audio in here (`SemanticTurnDetector` feeds it), so tests script both.
+
+Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kHz):
+
+    IDLE --(num_start_windows speech windows in a row)--> SPEAKING           emits SpeechStarted
+    SPEAKING --(num_pause_windows non-speech in a row)--> PAUSED             emits SilenceStarted(token)
+    PAUSED --(num_resume_windows speech in a row)--> SPEAKING                emits SpeechResumed
+    PAUSED --(score >= min_complete and silence >= min_silence_ms)--> IDLE   emits SpeechStopped
+    PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
+
+`SilenceStarted` asks the caller to score the turn's audio so far (Smart Turn) and to hand the result
+back with `on_score(token, probability)` (capped by `words_suggest_more` where the caller has the
+turn's words); a score for an older pause (the speaker resumed since) is
+ignored. The commit waits for whichever comes last of the score and `min_silence_ms`, and never waits
+past `max_silence_ms` (a slow or failed score only costs that wait). Times are ms of the input
+timeline: window `i` is `[32 i, 32 i + 32)`.
+
+Hysteresis: a window is speech at probability >= 0.5 and non-speech below 0.35 (Silero's own
+convention); in between it continues the run it is in, so a flickering probability neither opens nor
+closes anything by itself.
+
+Quiet windows (`is_quiet`: RMS under -50 dBFS, no speech at a talking level) count as non-speech once a
+turn is open, whatever Silero says: Silero's probability stays high for 60-200 ms after the last word
+(measured on TTS speech), which would otherwise delay every pause, and so the speculative response and
+the commit, by as much. A turn still opens on Silero alone (a soft talker is not gated out), and on a
+line whose noise floor is above -50 dBFS the gate never fires, leaving Silero to decide.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.vad import SpeechStarted, SpeechStopped
+
+__all__ = ["UNFINISHED_SCORE", "WINDOW_MS", "EndOfTurn", "Phase", "SilenceStarted", "SpeechResumed",
+           "words_suggest_more"]
+
+WINDOW_MS = 32
+SPEECH_THRESHOLD = 0.5
+HYSTERESIS = 0.15
+PAUSE_MS = 96
+"""Non-speech that makes a pause (three windows): shorter gaps are the stops inside words."""
+RESUME_MS = 64
+"""Speech that ends a pause: one window may be a click or a breath."""
+
+
+UNFINISHED_SCORE = 0.05
+"""The score of a turn whose words cannot end a sentence (below every eagerness's `min_complete`)."""
+_CONTINUING_WORDS = frozenset([
+    "a", "an", "the", "my", "your", "our", "their",  # determiners
+    "of", "from", "into", "onto", "between", "during", "than",  # prepositions that never close a sentence
+    "and", "or", "but", "nor", "because", "if", "although", "though", "unless", "whether",  # conjunctions
+    "i", "um", "uh", "er", "erm",  # a subject, fillers
+])
+"""English words a sentence does not end on. A person who stops after one is not done ("I'd like a ...").
+Only the safe ones: "for", "to", "with", "it", "that" and the auxiliaries end questions ("what is it
+for?", "yes I can"), so they are left to the model."""
+
+
+def words_suggest_more(transcript: str) -> bool:
+    """Whether the turn's words so far stop where a sentence cannot end (Smart Turn hears prosody only:
+    a synthetic or flat voice cut mid-sentence can sound finished to it)."""
+    words = transcript.lower().replace("'", " ").split()
+    return bool(words) and words[-1].strip(".,!?;:\"") in _CONTINUING_WORDS
+
+
+@dataclass(frozen=True)
+class SilenceStarted:
+    """Speech paused (the turn stays open): score the turn so far and pass `token` back to `on_score`."""
+
+    speech_end_ms: int
+    token: int
+
+
+@dataclass(frozen=True)
+class SpeechResumed:
+    """The speaker went on after a pause: whatever was started for that pause is moot."""
+
+    audio_ms: int
+
+
+class Phase(enum.Enum):
+    IDLE = "idle"
+    SPEAKING = "speaking"
+    PAUSED = "paused"
+
+
+class EndOfTurn:
+    def __init__(self, config: TurnDetectionConfig) -> None:
+        self.config = config
+        self.rules = config.rules
+        self.num_start_windows = max(1, math.ceil(config.min_speech_ms / WINDOW_MS))
+        self.num_pause_windows = PAUSE_MS // WINDOW_MS
+        self.num_resume_windows = RESUME_MS // WINDOW_MS
+        self.phase = Phase.IDLE
+        self.num_windows = 0
+        """Windows stepped: the timeline position is `WINDOW_MS` times this."""
+        self.turn_start_ms: int | None = None
+        self.speech_end_ms = 0
+        self.token = 0
+        """The current pause's token; bumped by every pause and every end of one."""
+        self.score: float | None = None
+        """The current pause's end-of-turn probability, once scored."""
+        self._num_run = 0
+        """Windows in a row of the kind that would move the phase on (speech in IDLE/PAUSED, else silence)."""
+        self._run_start = 0
+        self._floor_ms = 0
+
+    @property
+    def now_ms(self) -> int:
+        return self.num_windows * WINDOW_MS
+
+    def reset(self) -> None:
+        """Forget the open turn (`input_audio_buffer.clear`); a later turn never starts before here."""
+        self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0
+        self.token += 1
+        self._floor_ms = self.now_ms
+
+    def step(self, probability: float, is_quiet: bool = False) -> list[object]:
+        """One window's speech probability (and whether it is quiet); the events it completes."""
+        index = self.num_windows
+        self.num_windows += 1
+        is_opening = self.phase is Phase.IDLE
+        is_speech = probability >= SPEECH_THRESHOLD and (is_opening or not is_quiet)
+        is_silence = probability < SPEECH_THRESHOLD - HYSTERESIS or (is_quiet and not is_opening)
+        if self.phase is Phase.SPEAKING:
+            if is_silence:
+                self._num_run += 1
+            elif is_speech:
+                self._num_run, self.speech_end_ms = 0, self.now_ms
+            if self._num_run < self.num_pause_windows:
+                return []
+            self.phase, self._num_run, self.score = Phase.PAUSED, 0, None
+            self.token += 1
+            return [SilenceStarted(self.speech_end_ms, self.token)]
+        if is_speech:
+            if self._num_run == 0:
+                self._run_start = index
+            self._num_run += 1
+        elif is_silence:
+            self._num_run = 0
+        if self.phase is Phase.IDLE:
+            if self._num_run < self.num_start_windows:
+                return []
+            onset_ms = self._run_start * WINDOW_MS
+            self.turn_start_ms = max(self._floor_ms, onset_ms - self.config.prefix_padding_ms)
+            self.phase, self._num_run, self.speech_end_ms = Phase.SPEAKING, 0, self.now_ms
+            return [SpeechStarted(self.turn_start_ms)]
+        if self._num_run >= self.num_resume_windows:
+            self.phase, self._num_run, self.speech_end_ms, self.score = Phase.SPEAKING, 0, self.now_ms, None
+            self.token += 1
+            return [SpeechResumed(self.now_ms)]
+        return self._decide()
+
+    def on_score(self, token: int, probability: float) -> list[object]:
+        """The end-of-turn probability asked for by the `SilenceStarted` carrying `token`."""
+        if token != self.token or self.phase is not Phase.PAUSED:
+            return []
+        self.score = probability
+        return self._decide()
+
+    def _decide(self) -> list[object]:
+        silence_ms = self.now_ms - self.speech_end_ms
+        is_done = self.score is not None and self.score >= self.rules.min_complete
+        if silence_ms >= self.rules.max_silence_ms or (is_done and silence_ms >= self.rules.min_silence_ms):
+            event = SpeechStopped(self.now_ms, self.speech_end_ms)
+            self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0
+            self.token += 1
+            self._floor_ms = self.now_ms
+            return [event]
+        return []

@@ -1,0 +1,133 @@
+"""`SemanticTurnDetector`: `semantic_vad` turn detection of one session: Silero VAD says where speech is,
+`EndOfTurn` (`end_of_turn.py`) decides when the turn is over, asking the caller for Smart Turn scores.
+
+Why Silero for onsets and pauses (measured in `loadtest/bench_vad_noise.py`, docs/BENCHMARKS.md): webrtcvad
+opened a turn on every 180 ms noise burst and every synthetic cough (12/12 each), Silero on none, and
+Silero keeps ~0.96 of speech frames at 5 dB SNR of white noise where webrtcvad keeps ~0.87. It costs
+~0.15 ms per 32 ms window, run inline in the session's `feed`.
+
+The models are loaded once per process (`shared_models`) and shared by every session: Silero's
+`InferenceSession` (each stream keeps its own recurrent state) and `SmartTurnModel`, whose `predict`
+(~50-100 ms on one core) the session runs in a worker thread so the event loop never waits for it.
+
+Interface as `TurnDetector`'s (`feed` -> events on the input timeline, `is_speaking`, `turn_start_ms`,
+`reset`), plus `SilenceStarted` / `SpeechResumed` events and `on_score` for the score a `SilenceStarted`
+asked for. Input at 8, 24 or 48 kHz is resampled to 16 kHz, the filter's delay dropped (as in `vad.py`),
+so window `i` is exactly input `[32 i, 32 i + 32)` ms.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
+
+from voice_server.audio import StreamResampler, pcm16_to_float32, resample_signal
+from voice_server.session.end_of_turn import EndOfTurn, Phase, SilenceStarted, SpeechResumed
+from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.turn_models import SileroVad, SmartTurnModel, load_silero_session
+from voice_server.session.vad import INPUT_RATES
+
+__all__ = ["SemanticTurnDetector", "SilenceStarted", "SpeechResumed", "TurnModels", "shared_models"]
+
+MODEL_RATE = 16000
+QUIET_DB = -50.0
+"""A 32 ms window under this RMS level holds no speech at a talking level (`EndOfTurn`'s `is_quiet`)."""
+
+
+@dataclass(frozen=True)
+class TurnModels:
+    silero: object
+    """Silero's onnxruntime `InferenceSession`, shared by every `SileroVad` stream."""
+    smart_turn: SmartTurnModel
+
+
+_LOCK = threading.Lock()
+
+
+@functools.cache
+def _load() -> TurnModels:
+    return TurnModels(load_silero_session(num_threads=1), SmartTurnModel(num_threads=1))
+
+
+def shared_models() -> TurnModels:
+    """This process's end-of-turn models, loaded at the first call (~0.3 s); RuntimeError naming the
+    package to install when their files are missing."""
+    with _LOCK:  # NOTE: functools.cache alone could load twice when two threads ask at once
+        return _load()
+
+
+class SemanticTurnDetector:
+    def __init__(self, config: TurnDetectionConfig, input_rate: int, models: TurnModels | None = None) -> None:
+        if not isinstance(config, TurnDetectionConfig) or not config.is_semantic:
+            raise ValueError(f"config must be a semantic_vad TurnDetectionConfig, got {config!r:.80}")
+        if isinstance(input_rate, bool) or not isinstance(input_rate, int) or input_rate not in INPUT_RATES:
+            raise ValueError(f"input_rate must be one of {INPUT_RATES} Hz, got {input_rate!r}")
+        self.config, self.input_rate = config, input_rate
+        self.models = models or shared_models()
+        self.machine = EndOfTurn(config)
+        self._vad = SileroVad(self.models.silero)
+        self._resampler = None if input_rate == MODEL_RATE else StreamResampler(input_rate, MODEL_RATE)
+        self._num_to_drop = 0 if self._resampler is None else self._resampler.spec.delay_out
+        self._level_pending = np.zeros(0, np.float32)
+        """16 kHz audio of the window Silero has not completed yet, for its level (same boundaries)."""
+
+    @property
+    def is_speaking(self) -> bool:
+        """Whether a turn is open (speaking or paused, not yet committed)."""
+        return self.machine.phase is not Phase.IDLE
+
+    @property
+    def turn_start_ms(self) -> int | None:
+        return self.machine.turn_start_ms
+
+    @property
+    def smart_turn(self) -> SmartTurnModel:
+        return self.models.smart_turn
+
+    def reset(self) -> None:
+        self.machine.reset()
+
+    def feed(self, samples: npt.NDArray[np.float32] | npt.NDArray[np.int16]) -> list[object]:
+        """The events that the next chunk (1-D float32 in [-1, 1) or int16, any length) completes."""
+        if not isinstance(samples, np.ndarray) or samples.ndim != 1 or samples.dtype not in (np.float32, np.int16):
+            got = f"{samples.dtype} array of shape {samples.shape}" if isinstance(samples, np.ndarray) else type(
+                samples).__name__
+            raise ValueError(f"samples must be a 1-D float32 or int16 numpy array of mono audio, got {got}")
+        audio: npt.NDArray[np.float32] = (pcm16_to_float32(cast(npt.NDArray[np.int16], samples))
+                                          if samples.dtype == np.int16 else cast(npt.NDArray[np.float32], samples))
+        if not np.isfinite(audio).all():
+            raise ValueError("samples holds non-finite values (NaN or inf)")
+        if self._resampler is not None:
+            audio = self._resampler.process(audio)
+            if self._num_to_drop:
+                num_dropped = min(self._num_to_drop, audio.size)
+                audio, self._num_to_drop = audio[num_dropped:], self._num_to_drop - num_dropped
+        probabilities = self._vad.feed(audio)
+        pending = np.concatenate((self._level_pending, audio))
+        window = SileroVad.WINDOW
+        num_windows = pending.size // window
+        assert num_windows == len(probabilities)  # NOTE: both count 512-sample windows from the stream's start
+        power = (pending[: num_windows * window].astype(np.float64).reshape(num_windows, window) ** 2).mean(axis=1)
+        is_quiet = 10.0 * np.log10(np.maximum(power, 1e-20)) < QUIET_DB
+        self._level_pending = pending[num_windows * window:].copy()
+        events: list[object] = []
+        for probability, quiet in zip(probabilities, is_quiet, strict=True):
+            events.extend(self.machine.step(probability, bool(quiet)))
+        return events
+
+    def on_score(self, token: int, probability: float) -> list[object]:
+        """The Smart Turn probability for the pause whose `SilenceStarted` carried `token`."""
+        return self.machine.on_score(token, probability)
+
+    def score(self, audio: npt.NDArray[np.int16]) -> float:
+        """Smart Turn's probability that the turn in `audio` (int16 at the input rate, its last 8 s used)
+        is complete. Blocking (~50-100 ms): run it in a worker thread."""
+        pcm = pcm16_to_float32(audio[-self.input_rate * SmartTurnModel.MAX_AUDIO_S:])
+        if self.input_rate != MODEL_RATE:
+            pcm = resample_signal(pcm, self.input_rate, MODEL_RATE)
+        return self.smart_turn.predict(pcm) if pcm.size else 0.0
