@@ -28,7 +28,7 @@ const chart = new LatencyChart($("latency-chart"), $("latency-legend"), $("laten
 const demo = {
   state: "idle", closeCode: null, closeReason: "", microphone: "", inputRate: null,
   numFramesSent: 0, numAudioSamplesReceived: 0, numAudioSamplesPlayed: 0, numAudioSamplesDropped: 0,
-  bufferedSamples: 0, numBargeIns: 0, numPlaybackReports: 0, lastPlayedMs: null,
+  bufferedSamples: 0, numBargeIns: 0, numPauses: 0, numResumes: 0, numPlaybackReports: 0, lastPlayedMs: null,
   transcripts: chat.entries, turns: [], interruptions: [], truncations: [], chartPoints: chart.points, errors: [], events: [],
 };
 window.demo = demo;
@@ -83,7 +83,9 @@ async function start() {
     // NOTE: a denied or missing microphone still leaves a useful demo: typed turns, spoken replies.
     chat.notice(`microphone unavailable (${error.name}: ${error.message}); type instead`);
   }
-  const startMessage = { input_rate: inputRate, output_rate: OUTPUT_RATE, turn_detection: { type: "server_vad" } };
+  // NOTE: no turn_detection: the server's default (semantic_vad on the CPU defaults, which pauses a reply on
+  // speech over it and resumes it when that was only an "uh huh").
+  const startMessage = { input_rate: inputRate, output_rate: OUTPUT_RATE };
   if (query.get("instructions")) startMessage.instructions = query.get("instructions");
   const maxTokens = Number.parseInt(query.get("max_tokens") ?? "", 10);
   if (maxTokens > 0) startMessage.params = { sampling: { max_tokens: maxTokens } };
@@ -148,6 +150,21 @@ const handlers = {
   speech_started(e) {
     chat.update(e.item_id, "user", { state: "listening…" });
     if (response && !response.isFlushed && (!response.isDone || player?.isPlaying)) interrupt(response, "interrupted");
+  },
+  response_paused(e) {
+    // NOTE: speech over the reply, not yet a turn: hold what is queued (the server holds the rest).
+    if (response?.id === e.response_id && !response.isFlushed) {
+      player?.pause();
+      demo.numPauses += 1;
+      chat.update(response.itemId, "assistant", { state: "paused…" });
+    }
+  },
+  response_resumed(e) {
+    if (response?.id === e.response_id && !response.isFlushed) {
+      player?.resume();
+      demo.numResumes += 1;
+      chat.update(response.itemId, "assistant", { state: "speaking…" });
+    }
   },
   speech_stopped(e) {
     chat.update(e.item_id, "user", { state: "thinking…" });

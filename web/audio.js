@@ -149,6 +149,15 @@ export class Player {
     }
   }
 
+  // Hold playback where it is (nothing is dropped) until `resume`.
+  pause() {
+    this.node.port.postMessage({ type: "pause" });
+  }
+
+  resume() {
+    this.node.port.postMessage({ type: "resume" });
+  }
+
   // Stop at once, dropping everything not yet played. Resolves, once the worklet has emptied its ring,
   // with the stream position the speakers had reached.
   flush() {

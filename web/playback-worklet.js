@@ -1,5 +1,6 @@
 // Reply playback on the audio thread: a ring buffer of float samples at the context's rate (24 kHz),
-// fed by the main thread ("push"), emptied at once on barge-in ("flush").
+// fed by the main thread ("push"), emptied at once on barge-in ("flush"), held while speech over the reply
+// is judged ("pause" until "resume": nothing is consumed, silence is rendered).
 //
 // It counts, in samples of the reply stream: `position`, how far the stream has been consumed
 // (played or flushed), and `played`, how much actually reached the speakers. The main thread turns
@@ -19,13 +20,18 @@ class PlaybackProcessor extends AudioWorkletProcessor {
     this.numDropped = 0; // samples that did not fit (the main thread keeps the ring from filling)
     this.quanta = 0;
     this.wasPlaying = false;
+    this.isPaused = false;
     this.port.onmessage = (event) => this.onMessage(event.data);
   }
 
   onMessage(message) {
     if (message.type === "push") {
       this.write(message.samples);
+    } else if (message.type === "pause" || message.type === "resume") {
+      this.isPaused = message.type === "pause";
+      this.report();
     } else if (message.type === "flush") {
+      this.isPaused = false; // NOTE: a flush ends the reply; the next one plays at once
       // NOTE: what was buffered counts as consumed (the stream moved past it) but not as played;
       // `heard` is the position the speakers had reached.
       const heard = this.position;
@@ -57,7 +63,7 @@ class PlaybackProcessor extends AudioWorkletProcessor {
   process(_inputs, outputs) {
     const output = outputs[0];
     const first = output[0];
-    const count = Math.min(first.length, this.size);
+    const count = this.isPaused ? 0 : Math.min(first.length, this.size);
     const capacity = this.ring.length;
     for (let i = 0; i < count; i++) {
       first[i] = this.ring[this.readIndex];

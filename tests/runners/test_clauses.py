@@ -68,6 +68,17 @@ def test_a_run_on_clause_is_cut_at_whitespace_past_max_clause_chars() -> None:
     assert by_char(text, rules) == whole(text, rules)
 
 
+def test_the_first_clause_is_cut_sooner_so_a_long_opening_sentence_speaks_early() -> None:
+    text = ("Once upon a time in a land far away there lived a dragon who loved to read old books. "
+            "He read every day in a cave full of candles and maps and little wooden boxes of tea leaves.")
+    clauses = whole(text, ClauseRules())
+    assert clauses[0] == "Once upon a time in a land far away there lived a"  # NOTE: the first word past 48
+    assert clauses[1] == "dragon who loved to read old books."
+    assert len(clauses[2]) > 48  # NOTE: later clauses keep the long limit
+    assert by_char(text, ClauseRules()) == clauses
+    assert whole("Yes, of course.", ClauseRules()) == ["Yes, of course."]
+
+
 @pytest.mark.parametrize(("text", "want"), [
     ("**Note:** read `the docs` _now_.", "Note: read the docs now."),
     ("Visit https://example.com/a.b?c=1, or www.example.org.", "Visit, or."),
@@ -90,7 +101,8 @@ def test_unspeakable_clauses_are_skipped() -> None:
 
 
 def test_rules_are_validated() -> None:
-    for bad in ({"min_clause_chars": 0}, {"max_clause_chars": True}, {"min_clause_chars": 20, "max_clause_chars": 20}):
+    for bad in ({"min_clause_chars": 0}, {"max_clause_chars": True}, {"min_clause_chars": 20, "max_clause_chars": 20},
+                {"max_first_clause_chars": 10}):
         with pytest.raises(ValueError, match="ClauseRules"):
             ClauseRules(**bad)  # type: ignore[arg-type]
 

@@ -5,14 +5,18 @@ through a real server and real stage processes, with speech synthesised at test 
 - a sentence with a hesitation at a comma is answered once, after the whole sentence: the pause's
   speculative response is thrown away when the speaker goes on, and leaves nothing behind in any stage
   (requests, KV pages, relay slots);
-- what the response reports (`end_of_speech`, `first_audible`) and `/metrics` count agree."""
+- what the response reports (`end_of_speech`, `first_audible`) and `/metrics` count agree;
+- a backchannel over a reply pauses it and it resumes; a real barge-in pauses it, then starts the user's
+  turn and cuts the reply to what was heard."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -119,3 +123,140 @@ def test_a_hesitation_is_not_a_turn_end_and_its_speculation_leaves_nothing_behin
     print(f"transcript {transcript!r}, speculations discarded {discarded}, timings {turn.events[-1]['timings_ms']}")
     ws.close()
     assert_nothing_left(default)
+
+
+class Conversation:
+    """A `/ws` session as the demo runs it, on two threads: the microphone streams on (silence between
+    utterances), and a player plays the reply at real time, pausing on `response_paused` until
+    `response_resumed`, flushing on a cancelled `response_done`, and reporting `playback` every 100 ms."""
+
+    def __init__(self, port: int) -> None:
+        self.ws = open_session(port)
+        self.events: list[dict[str, Any]] = []
+        self.pending: list[np.ndarray] = []
+        self.received_ms = self.played_ms = 0.0
+        self.is_paused = self.is_done = False
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=f, daemon=True) for f in (self._mic, self._read)]
+        for thread in self.threads:
+            thread.start()
+
+    def say(self, audio: np.ndarray) -> None:
+        self.pending.append(float32_to_pcm16(audio))
+
+    def _mic(self) -> None:
+        silence, start, i, last_report = np.zeros(FRAME, np.int16), time.monotonic(), 0, 0
+        queue: list[np.ndarray] = []
+        while not self.is_done:
+            if not queue and self.pending:
+                pcm = self.pending.pop(0)
+                queue = [pcm[j:j + FRAME] for j in range(0, len(pcm), FRAME)]
+            with self.lock:
+                if not self.is_paused:
+                    self.played_ms = min(self.received_ms, self.played_ms + 20.0)
+                played = int(self.played_ms)
+            try:
+                self.ws.send(pcm16_to_bytes(queue.pop(0) if queue else silence))
+                if i - last_report >= 5:
+                    self.ws.send(json.dumps({"type": "playback", "played_ms": played}))
+                    last_report = i
+            except Exception:
+                return
+            i += 1
+            time.sleep(max(0.0, start + i * 0.02 - time.monotonic()))
+
+    def _read(self) -> None:
+        while not self.is_done:
+            try:
+                message = self.ws.recv(1)
+            except TimeoutError:
+                continue
+            except Exception:
+                return
+            with self.lock:
+                if isinstance(message, bytes):
+                    self.received_ms += len(message) / 48.0  # NOTE: PCM16 at 24 kHz
+                    continue
+                event = json.loads(message)
+                self.events.append(event)
+                if event["type"] == "response_started":
+                    self.received_ms = self.played_ms = 0.0
+                elif event["type"] in ("response_paused", "response_resumed"):
+                    self.is_paused = event["type"] == "response_paused"
+                elif event["type"] == "response_done" and event["status"] == "cancelled":
+                    self.received_ms = self.played_ms  # NOTE: the flush: what was queued is never heard
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        with self.lock:
+            return [e for e in self.events if e["type"] == kind]
+
+    def wait_for(self, kind: str, timeout: float = 30.0, count: int = 1) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while len(found := self.of(kind)) < count:
+            assert time.monotonic() < deadline, (kind, [e["type"] for e in self.events])
+            time.sleep(0.02)
+        return found[-1]
+
+    def wait_played(self, ms: float, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.played_ms < ms:
+            assert time.monotonic() < deadline, [e["type"] for e in self.events]
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.is_done = True
+        for thread in self.threads:
+            thread.join(5)
+        self.ws.close()
+
+
+def test_a_backchannel_pauses_the_reply_and_it_resumes(default: SessionServer) -> None:
+    talk = Conversation(default.port)
+    talk.say(speech("Tell me a story about a dragon.", silence_s=0.2))
+    started = talk.wait_for("response_started")
+    talk.wait_played(1000)
+    talk.say(speech("uh huh", silence_s=0.1))
+    paused = talk.wait_for("response_paused")
+    resumed = talk.wait_for("response_resumed")
+    done = talk.wait_for("response_done")
+    time.sleep(1.0)
+    kinds = [e["type"] for e in talk.events]
+    talk.close()
+    assert started["response_id"] == paused["response_id"] == resumed["response_id"] == done["response_id"]
+    assert done["status"] == "completed", kinds
+    # NOTE: the backchannel was never a turn: no speech_started, no commit, no truncation, no second response.
+    after = kinds[kinds.index("response_started"):]
+    assert not {"speech_started", "item_truncated", "input_committed"} & set(after), kinds
+    assert kinds.count("response_started") == 1
+    assert_nothing_left(default)
+
+
+def test_a_real_barge_in_pauses_then_cuts_the_reply_to_what_was_heard(default: SessionServer) -> None:
+    talk = Conversation(default.port)
+    talk.say(speech("Tell me a story about a dragon.", silence_s=0.2))
+    talk.wait_for("response_started")
+    talk.wait_played(1000)
+    talk.say(speech("Wait, stop, I have another question about the weather.", silence_s=0.2))
+    paused = talk.wait_for("response_paused")
+    truncated = talk.wait_for("item_truncated")
+    talk.wait_for("response_started", count=2)  # NOTE: the new turn's answer
+    kinds = [e["type"] for e in talk.events]
+    heard_ms = talk.played_ms
+    talk.close()
+    # NOTE: the turn starts only once confirmed, then the reply is cut to what was heard (it was paused).
+    at = kinds.index("response_paused")
+    assert kinds.index("speech_started", at) < kinds.index("item_truncated", at)
+    assert "response_resumed" not in kinds
+    assert 1000 <= truncated["audio_end_ms"] <= 1000 + 1500, (truncated, heard_ms)
+    assert paused["response_id"] == talk.of("response_started")[0]["response_id"]
+    assert_nothing_left(default)
+
+
+def test_ws_turn_detection_without_a_type_is_the_pipelines_default_unless_it_names_server_vads_fields(
+        default: SessionServer) -> None:
+    for start, want in (({}, "semantic_vad"), ({"turn_detection": {"eagerness": "high"}}, "semantic_vad"),
+                        ({"turn_detection": {"silence_duration_ms": 300}}, "server_vad"),
+                        ({"turn_detection": {"type": "server_vad"}}, "server_vad")):
+        with connect(f"ws://127.0.0.1:{default.port}/ws", open_timeout=5) as ws:
+            ws.send(json.dumps({"type": "session.start", **start}))
+            assert json.loads(ws.recv(10))["turn_detection"] == want, start

@@ -84,6 +84,19 @@ class Peer:
             if await self.receive() is None:
                 raise AssertionError("the page closed the socket before sending audio")
 
+    async def reports_for(self, seconds: float) -> list[int]:
+        """The `played_ms` of the playback reports the page sends in the next `seconds`."""
+        reports, deadline = [], time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                async with asyncio.timeout(left):
+                    event = await self.receive()
+            except TimeoutError:
+                break
+            if event is not None and event["type"] == "playback":
+                reports.append(event["played_ms"])
+        return reports
+
     async def closed(self) -> None:
         while await self.receive() is not None:
             pass
@@ -125,6 +138,12 @@ async def conversation(peer: Peer) -> None:
     await peer.send(type="response_started", response_id="resp_2", item_id="item_a2")
     await peer.audio(3000)
     record["played_2"] = await peer.next("playback", lambda m: m["played_ms"] >= 300)
+    # Speech over it that is not a turn yet: the page holds its playback until the reply resumes.
+    await peer.send(type="response_paused", response_id="resp_2")
+    await peer.reports_for(0.1)  # NOTE: what was already on its way
+    record["paused"] = await peer.reports_for(0.5)
+    await peer.send(type="response_resumed", response_id="resp_2")
+    record["resumed"] = await peer.next("playback", lambda m: m["played_ms"] > max(record["paused"] or [0]) + 100)
     await peer.send(type="speech_started", item_id="item_u2", audio_start_ms=5000)
     await peer.audio(200)
     record["barge_in"] = await peer.next("playback")
@@ -245,8 +264,8 @@ def _converse(demo: DemoPage, scripted: ScriptedServer) -> None:
     wait("demo.state === 'closed'")
     record = scripted.record
     assert record.get("error") is None and record.get("done")
-    assert record["start"] == {"type": "session.start", "input_rate": 16000, "output_rate": 24000,
-                               "turn_detection": {"type": "server_vad"}}
+    # NOTE: no turn detection named: the server's default.
+    assert record["start"] == {"type": "session.start", "input_rate": 16000, "output_rate": 24000}
     assert set(record["frame_sizes"]) == {640}, "20 ms frames of PCM16 at 16 kHz"
     # The capture worklet resampled to 16 kHz at the right ratio (the tone is where it was) and filtered
     # first: the tone above 8 kHz is gone rather than aliased to 16 - 12 = 4 kHz (without the filter it
@@ -258,6 +277,9 @@ def _converse(demo: DemoPage, scripted: ScriptedServer) -> None:
     assert spectrum[alias_hz - 10:alias_hz + 10].max() < 0.01 * spectrum[IN_BAND_HZ]
     assert record["typed"] == {"type": "text", "text": TYPED, "respond": True}
     assert record["barge_in"]["played_ms"] == flush["playedMs"] >= record["played_2"]["played_ms"]
+    # While paused, the page played nothing more: its reports (if any) stood still, then it went on.
+    assert len(set(record["paused"])) <= 1, record["paused"]
+    assert state["numPauses"] == state["numResumes"] == 1
     kinds = [m["type"] for m in record["messages"]]
     assert set(kinds) <= {"session.start", "playback", "text"}, kinds
     reports = [m["played_ms"] for m in record["messages"] if m["type"] == "playback"]

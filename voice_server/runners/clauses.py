@@ -10,7 +10,9 @@ Not a clause end:
 - a clause shorter than `min_clause_chars` (speakable characters): it merges with the next, so
   the engine never gets fragments like "Yes," on their own.
 With no mark in sight a clause is cut at the first whitespace past `max_clause_chars`, so audio
-never waits on a run-on sentence.
+never waits on a run-on sentence; the first clause of a reply at the first whitespace past
+`max_first_clause_chars`, shorter, since the listener waits for it (a reply that opens with a long
+sentence starts speaking after ~8 words instead of after all of them).
 
 NOTE: every decision is made at the character after the mark and depends only on the clause text
 up to it, so feeding deltas one by one yields exactly the clauses the whole text does. A clause is
@@ -62,15 +64,18 @@ class ClauseRules:
     """Clauses with fewer speakable characters merge with the next one."""
     max_clause_chars: int = 240
     """A clause with no mark is cut at the first whitespace after this many characters."""
+    max_first_clause_chars: int = 48
+    """The same for the reply's first clause."""
 
     def __post_init__(self) -> None:
-        for name in ("min_clause_chars", "max_clause_chars"):
+        for name in ("min_clause_chars", "max_clause_chars", "max_first_clause_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ClauseRules.{name} must be an integer >= 1, got {value!r}")
-        if self.max_clause_chars <= self.min_clause_chars:
-            raise ValueError(f"ClauseRules.max_clause_chars ({self.max_clause_chars}) must be greater than "
-                             f"min_clause_chars ({self.min_clause_chars})")
+        for name in ("max_clause_chars", "max_first_clause_chars"):
+            if getattr(self, name) <= self.min_clause_chars:
+                raise ValueError(f"ClauseRules.{name} ({getattr(self, name)}) must be greater than "
+                                 f"min_clause_chars ({self.min_clause_chars})")
 
 
 class ClauseSplitter:
@@ -82,6 +87,8 @@ class ClauseSplitter:
         """Text after the last cut, not yet given out."""
         self._num_scanned = 0
         """Characters of `_pending` whose cut decision is made."""
+        self.num_clauses = 0
+        """Clauses given out so far (the first is cut shorter)."""
 
     @property
     def num_pending_chars(self) -> int:
@@ -102,6 +109,7 @@ class ClauseSplitter:
             spoken = speakable(clause)
             if spoken:
                 clauses.append(spoken)
+                self.num_clauses += 1
         self._num_scanned = len(self._pending)
         return clauses
 
@@ -123,7 +131,10 @@ class ClauseSplitter:
             return i + 1 if speakable(before) else None
         if _ends_clause(before):
             return i + 1 if self._is_long_enough(before) else None
-        return i + 1 if len(before) >= self.rules.max_clause_chars else None
+        rules = self.rules
+        max_chars = min(rules.max_first_clause_chars, rules.max_clause_chars) if self.num_clauses == 0 else (
+            rules.max_clause_chars)
+        return i + 1 if len(before) >= max_chars else None
 
     def _is_long_enough(self, clause: str) -> bool:
         return len(speakable(clause)) >= self.rules.min_clause_chars

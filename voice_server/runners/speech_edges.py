@@ -13,7 +13,8 @@ Rules (`EdgeRules`), on 10 ms frames of each sentence's audio:
 - nothing at or above `level_db` is ever dropped: with the default -45 dBFS that is everything a
   listener hears (the audibility floor used for "first audible audio" is -40 dBFS);
 - joins are silence we add: `sentence_pause_ms` after a sentence end (`. ! ? …`), `clause_pause_ms`
-  after any other clause end (`, ; :`, a dash, a cut run-on). The pause is put before the next
+  after any other mark (`, ; :`, a dash), half of it after a clause cut with no mark at all (a long
+  first clause or a run-on cut at a word: the voice should barely stop). The pause is put before the next
   clause's audio, never after the last, so a reply ends when its speech ends and its first clause
   starts speaking within `margin_ms` (plus the onset's own fade-in) of its first sample.
 
@@ -86,9 +87,12 @@ def trim_edges(pcm: npt.NDArray[np.float32], rate: int, rules: EdgeRules) -> npt
 
 
 def pause_after(clause: str, rules: EdgeRules) -> int:
-    """The pause (ms) that follows `clause` before the next one: longer after a sentence end."""
+    """The pause (ms) that follows `clause` before the next one: longer after a sentence end, shorter
+    where no mark ends it."""
     core = clause.rstrip().rstrip(_CLOSERS)
-    return rules.sentence_pause_ms if core and core[-1] in _SENTENCE_ENDS else rules.clause_pause_ms
+    if core and core[-1] in _SENTENCE_ENDS:
+        return rules.sentence_pause_ms
+    return rules.clause_pause_ms // 2 if core and core[-1].isalnum() else rules.clause_pause_ms
 
 
 def join_sentences(pieces: list[npt.NDArray[np.float32]], rate: int, rules: EdgeRules,

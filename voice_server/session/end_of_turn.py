@@ -105,6 +105,8 @@ class EndOfTurn:
         """The current pause's token; bumped by every pause and every end of one."""
         self.score: float | None = None
         """The current pause's end-of-turn probability, once scored."""
+        self.num_speech_windows = 0
+        """Speech windows since the open turn started (its onset's included)."""
         self._num_run = 0
         """Windows in a row of the kind that would move the phase on (speech in IDLE/PAUSED, else silence)."""
         self._run_start = 0
@@ -127,6 +129,8 @@ class EndOfTurn:
         is_opening = self.phase is Phase.IDLE
         is_speech = probability >= SPEECH_THRESHOLD and (is_opening or not is_quiet)
         is_silence = probability < SPEECH_THRESHOLD - HYSTERESIS or (is_quiet and not is_opening)
+        if is_speech and not is_opening:
+            self.num_speech_windows += 1
         if self.phase is Phase.SPEAKING:
             if is_silence:
                 self._num_run += 1
@@ -149,6 +153,7 @@ class EndOfTurn:
             onset_ms = self._run_start * WINDOW_MS
             self.turn_start_ms = max(self._floor_ms, onset_ms - self.config.prefix_padding_ms)
             self.phase, self._num_run, self.speech_end_ms = Phase.SPEAKING, 0, self.now_ms
+            self.num_speech_windows = self.num_start_windows
             return [SpeechStarted(self.turn_start_ms)]
         if self._num_run >= self.num_resume_windows:
             self.phase, self._num_run, self.speech_end_ms, self.score = Phase.SPEAKING, 0, self.now_ms, None

@@ -55,6 +55,21 @@ class ResponseStarted:
 
 
 @dataclass(frozen=True)
+class ResponsePaused:
+    """Speech started over the reply: its audio stops here (the server holds what comes; a client that
+    can pause its playback holds what it queued) until `ResponseResumed` or the reply is cut."""
+
+    response_id: str
+
+
+@dataclass(frozen=True)
+class ResponseResumed:
+    """The speech over the reply was not an interruption: the reply goes on from where it paused."""
+
+    response_id: str
+
+
+@dataclass(frozen=True)
 class TextDelta:
     response_id: str
     item_id: str
@@ -101,4 +116,5 @@ class SessionError:
 
 
 SessionEvent = (SpeechStarted | SpeechStopped | InputCommitted | InputTranscriptDelta | InputTranscriptDone
-                | ResponseStarted | TextDelta | AudioDelta | ResponseDone | ItemTruncated | SessionError)
+                | ResponseStarted | ResponsePaused | ResponseResumed | TextDelta | AudioDelta | ResponseDone
+                | ItemTruncated | SessionError)

@@ -48,6 +48,8 @@ from voice_server.session.events import (
     InputTranscriptDone,
     ItemTruncated,
     ResponseDone,
+    ResponsePaused,
+    ResponseResumed,
     ResponseStarted,
     SessionError,
     SessionEvent,
@@ -58,6 +60,7 @@ from voice_server.session.events import (
 from voice_server.session.turn_config import TurnDetectionConfig
 
 log = logging.getLogger(__name__)
+SERVER_VAD_ONLY_KEYS = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
 START_TIMEOUT_S = 10.0
 CLOSE_POLICY = 1008
 ENDPOINT = "native"
@@ -65,7 +68,8 @@ ENDPOINT = "native"
 
 def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
     """The `session.start` message -> the session's config; ValueError naming the field. A
-    `turn_detection` without a `type` (or none at all) is of `default_type`, the pipeline's."""
+    `turn_detection` without a `type` (or none at all) is of `default_type`, the pipeline's, unless it
+    names `server_vad`'s own fields."""
     if not isinstance(message, dict) or message.get("type") != "session.start":
         raise ValueError("the first message must be JSON {\"type\": \"session.start\", ...}")
     known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params"}
@@ -73,8 +77,12 @@ def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
     if unknown:
         raise ValueError(f"session.start: unknown field(s) {', '.join(unknown)}")
     raw_turns = message.get("turn_detection", {})
-    turns = None if raw_turns is None else TurnDetectionConfig.from_openai(
-        {"type": default_type, **raw_turns} if isinstance(raw_turns, dict) else raw_turns)
+    if isinstance(raw_turns, dict) and "type" not in raw_turns:
+        # NOTE: server_vad's own fields without a type mean server_vad (what this protocol took before
+        # semantic_vad existed); otherwise the pipeline's default.
+        is_server = any(key in raw_turns for key in SERVER_VAD_ONLY_KEYS)
+        raw_turns = {"type": "server_vad" if is_server else default_type, **raw_turns}
+    turns = None if raw_turns is None else TurnDetectionConfig.from_openai(raw_turns)
     params = message.get("params", {})
     if not isinstance(params, dict):
         raise ValueError("params: must be an object")
@@ -99,6 +107,10 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
         return {"type": "response_started", "response_id": event.response_id, "item_id": event.item_id}
     if isinstance(event, TextDelta):
         return {"type": "text_delta", "response_id": event.response_id, "delta": event.delta}
+    if isinstance(event, ResponsePaused):
+        return {"type": "response_paused", "response_id": event.response_id}
+    if isinstance(event, ResponseResumed):
+        return {"type": "response_resumed", "response_id": event.response_id}
     if isinstance(event, ResponseDone):
         return {"type": "response_done", "response_id": event.response_id, "item_id": event.item_id,
                 "status": event.status, "text": event.text, "audio_ms": event.num_audio_ms,

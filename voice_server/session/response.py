@@ -99,6 +99,11 @@ class ResponseRun:
         """The turn's input ended at a pause the turn may not end at: run on, but keep what comes back."""
         self.opened_at, self.is_held = time.monotonic(), True
 
+    def hold(self) -> None:
+        """Keep what comes back from here on until `release` (speech over the reply, to be judged)."""
+        self.is_held = True
+        self._released.clear()
+
     async def release(self) -> None:
         """The turn was committed: send everything held back, in order, then stream on (call after `start`)."""
         self.is_held = False

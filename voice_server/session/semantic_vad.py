@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler, pcm16_to_float32, resample_signal
-from voice_server.session.end_of_turn import EndOfTurn, Phase, SilenceStarted, SpeechResumed
+from voice_server.session.end_of_turn import WINDOW_MS, EndOfTurn, Phase, SilenceStarted, SpeechResumed
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.turn_models import SileroVad, SmartTurnModel, load_silero_session
 from voice_server.session.vad import INPUT_RATES
@@ -84,6 +84,17 @@ class SemanticTurnDetector:
     @property
     def turn_start_ms(self) -> int | None:
         return self.machine.turn_start_ms
+
+    @property
+    def speech_ms(self) -> int:
+        """Speech heard in the open turn so far (its VAD windows, pauses left out)."""
+        return self.machine.num_speech_windows * WINDOW_MS if self.is_speaking else 0
+
+    @property
+    def silence_ms(self) -> int:
+        """How long the speaker of the open turn has been silent (0 while speaking or with no turn)."""
+        machine = self.machine
+        return machine.now_ms - machine.speech_end_ms if machine.phase is Phase.PAUSED else 0
 
     @property
     def smart_turn(self) -> SmartTurnModel:

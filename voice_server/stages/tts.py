@@ -13,7 +13,8 @@ factory_args (all optional):
 - `speed` (1.0): speaking rate, 0.5 .. 2.0.
 - `seed` (0): seeds each request's noise generator (the same text always gives the same audio);
   hibari only: piper's model draws its own noise, so a seed there would promise what it cannot keep.
-- `min_clause_chars` (10), `max_clause_chars` (240): the clause rule (`voice_server/runners/clauses.py`).
+- `min_clause_chars` (10), `max_clause_chars` (240), `max_first_clause_chars` (48): the clause rule
+  (`voice_server/runners/clauses.py`).
 - `max_text_chars` (32768): longest text one request may bring; a longer one is refused alone.
 - `trim_silence` (true): trim the engine's silence around each sentence; `clause_pause_ms` (150) and
   `sentence_pause_ms` (300): the pauses put between clauses instead (`voice_server/runners/speech_edges.py`).
@@ -36,8 +37,8 @@ from voice_server.stages.tts_engines import HIBARI_VOICE, PIPER_VOICE, load_hiba
 
 log = logging.getLogger(__name__)
 
-FACTORY_ARGS = ("engine", "num_threads", "speed", "seed", "min_clause_chars", "max_clause_chars", "max_text_chars",
-                "trim_silence", "clause_pause_ms", "sentence_pause_ms")
+FACTORY_ARGS = ("engine", "num_threads", "speed", "seed", "min_clause_chars", "max_clause_chars",
+                "max_first_clause_chars", "max_text_chars", "trim_silence", "clause_pause_ms", "sentence_pause_ms")
 ENGINES: dict[str, tuple[str, str, Callable[[str, int], Synthesizer]]] = {
     "hibari": ("hibari-tts", HIBARI_VOICE, load_hibari),
     "piper": ("piper", PIPER_VOICE, load_piper),
@@ -58,9 +59,11 @@ def create_tts(ctx: StageContext) -> TTSRunner:
     num_threads = _int(where, args, "num_threads", 1, minimum=1)
     try:
         rules = ClauseRules(_int(where, args, "min_clause_chars", 10, minimum=1),
-                            _int(where, args, "max_clause_chars", 240, minimum=2))
+                            _int(where, args, "max_clause_chars", 240, minimum=2),
+                            _int(where, args, "max_first_clause_chars", 48, minimum=2))
     except ValueError as exc:
-        raise fail(where, "factory_args.max_clause_chars", str(exc)) from exc
+        field = "max_first_clause_chars" if "max_first_clause_chars" in str(exc) else "max_clause_chars"
+        raise fail(where, f"factory_args.{field}", str(exc)) from exc
     speed = args.get("speed", 1.0)
     if isinstance(speed, bool) or not isinstance(speed, int | float) or not 0.5 <= speed <= 2.0:
         raise fail(where, "factory_args.speed", f"must be a number in [0.5, 2.0], got {show(speed)}")

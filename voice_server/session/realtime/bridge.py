@@ -37,6 +37,8 @@ from voice_server.session.events import (
     InputTranscriptDone,
     ItemTruncated,
     ResponseDone,
+    ResponsePaused,
+    ResponseResumed,
     ResponseStarted,
     SessionError,
     SessionEvent,
@@ -93,6 +95,11 @@ class Bridge:
             return [se.conversation_item_truncated(event.item_id, 0, event.audio_end_ms)]
         if isinstance(event, InputTranscriptDelta):
             return [se.input_transcription_delta(event.item_id, event.delta)]
+        if isinstance(event, ResponsePaused | ResponseResumed):
+            # NOTE: OpenAI's protocol has no pause: its clients flush on `speech_started`, which the session
+            # sends only once speech over a reply is confirmed as a turn; meanwhile the reply's new audio
+            # is held in the server, and the client plays what it already has.
+            return []
         if isinstance(event, InputTranscriptDone):
             item = self.conversation.get(event.item_id)
             return [se.input_transcription_completed(event.item_id, event.transcript,

@@ -1,0 +1,38 @@
+"""The interruption rule: speech over a reply is confirmed by words that are not backchannels or by
+enough speech, and dismissed when the speaker falls silent first or nothing is confirmed in time."""
+
+from __future__ import annotations
+
+import pytest
+
+from voice_server.session.interruptions import Interruption, InterruptionRules, Verdict, judge, num_content_words
+
+RULES = InterruptionRules()
+PENDING = Interruption("resp_1", "item_1", audio_start_ms=4000, started_at=100.0, run=None)
+
+
+@pytest.mark.parametrize(("words", "num"), [
+    ("uh huh", 0), ("Uh-huh.", 0), ("yeah right okay", 0), ("mm-hmm", 0), ("i see", 0),
+    ("wait stop", 2), ("no that is wrong", 4), ("yeah but what about paris", 4), ("", 0)])
+def test_backchannels_are_not_content_words(words: str, num: int) -> None:
+    assert num_content_words(words) == num
+
+
+@pytest.mark.parametrize(("speech_ms", "words", "silence_ms", "after_s", "verdict"), [
+    (200, "wait stop", 0, 0.2, Verdict.CONFIRMED),  # NOTE: words confirm before min_speech_ms
+    (640, "", 0, 0.7, Verdict.CONFIRMED),  # NOTE: enough speech confirms without a transcript
+    (300, "uh huh", 256, 0.6, Verdict.DISMISSED),  # NOTE: a backchannel falls silent first
+    (300, "sorry", 96, 0.4, None),  # NOTE: a comma's pause inside an interruption: still open
+    (300, "yeah", 0, 1.0, Verdict.DISMISSED),  # NOTE: nothing confirmed within max_wait_ms
+    (300, "yeah", 0, 0.5, None),  # NOTE: still open
+    (640, "", 300, 0.7, Verdict.CONFIRMED),  # NOTE: confirmation wins over a pause seen at the same moment
+])
+def test_the_verdict(speech_ms: int, words: str, silence_ms: int, after_s: float, verdict: Verdict | None) -> None:
+    assert judge(PENDING, RULES, speech_ms=speech_ms, words=words, silence_ms=silence_ms,
+                 now=PENDING.started_at + after_s) is verdict
+
+
+@pytest.mark.parametrize("kwargs", [{"min_words": 0}, {"min_speech_ms": -1}, {"max_wait_ms": 50.0}])
+def test_rules_are_validated(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="InterruptionRules"):
+        InterruptionRules(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,80 @@
+"""Is speech over a reply an interruption? The rule (`InterruptionRules`) and the pending state
+(`Interruption`) that `Responses` (`responses.py`) acts on.
+
+People talk over a speaker all the time without taking the turn: "uh huh", "yeah", "right", a cough, a
+laugh. A voice agent that stops for each of these feels broken (peers' users' top complaint), one that
+never stops feels deaf. So speech over a reply pauses it at once and is then judged:
+
+- confirmed, the reply is cut: `min_words` recognised words that are not backchannels (where the
+  pipeline transcribes while the user speaks), or `min_speech_ms` of speech (VAD windows);
+- dismissed, the reply resumes: the speaker fell silent first, for `dismiss_silence_ms` (a backchannel is
+  short; "Sorry, can you..." pauses at its comma and goes on), or nothing was confirmed within
+  `max_wait_ms` of the onset.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from voice_server.session.response import ResponseRun
+
+__all__ = ["BACKCHANNELS", "Interruption", "InterruptionRules", "Verdict", "judge", "num_content_words"]
+
+BACKCHANNELS = frozenset([
+    "uh", "huh", "uhhuh", "mm", "mhm", "mmhmm", "hm", "hmm", "um", "ah", "oh", "yeah", "yes", "yep", "ya", "yup",
+    "right", "okay", "ok", "sure", "alright", "i", "see", "got", "it", "wow", "cool", "great", "really", "true",
+    "exactly", "nice", "indeed",
+])
+"""What a listener says to keep the speaker going; none of them counts toward `min_words`."""
+
+
+@dataclass(frozen=True)
+class InterruptionRules:
+    min_words: int = 2
+    min_speech_ms: int = 600
+    dismiss_silence_ms: int = 250
+    max_wait_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        for name, low, high in (("min_words", 1, 20), ("min_speech_ms", 0, 5000), ("dismiss_silence_ms", 0, 5000),
+                                ("max_wait_ms", 100, 10_000)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"InterruptionRules.{name} must be an integer in [{low}, {high}], got {value!r}")
+
+
+class Verdict(enum.Enum):
+    CONFIRMED = "confirmed"
+    DISMISSED = "dismissed"
+
+
+@dataclass(frozen=True)
+class Interruption:
+    """Speech that started over a reply (its response `response_id`), not yet judged."""
+
+    response_id: str
+    item_id: str
+    """The user item the speech becomes if confirmed."""
+    audio_start_ms: int
+    started_at: float
+    """When the reply was paused (monotonic)."""
+    run: ResponseRun | None
+    """The response held while generating; None when it had finished and only played at the client."""
+
+
+def num_content_words(transcript: str) -> int:
+    """Words that are not backchannels ("uh huh yeah" has none, "wait stop" two)."""
+    words = transcript.lower().replace("-", "").replace("'", "").split()
+    return sum(1 for word in words if word.strip(".,!?;:\"") not in BACKCHANNELS)
+
+
+def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, words: str, silence_ms: int,
+          now: float) -> Verdict | None:
+    """The verdict on `pending` so far (`silence_ms`: how long the speaker has been silent, 0 while they
+    speak), or None while it is still open."""
+    if num_content_words(words) >= rules.min_words or speech_ms >= rules.min_speech_ms:
+        return Verdict.CONFIRMED
+    if silence_ms >= rules.dismiss_silence_ms or (now - pending.started_at) * 1000.0 >= rules.max_wait_ms:
+        return Verdict.DISMISSED
+    return None
