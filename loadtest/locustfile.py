@@ -6,8 +6,9 @@ the reference utterances (`loadtest/make_utterances.py`) at real-time pace, the 
 fraction of the turns (`--barge-in`) it speaks over the reply instead, which must stop it.
 
 Reported per turn as locust entries (request type = the endpoint; times in ms):
-- `time_to_first_audio`: the last voiced sample sent -> the first reply audio byte received (the
-  server's VAD silence window included: what a caller waits);
+- `time_to_first_audio`: the last voiced sample sent -> the first *audible* reply audio as the client
+  plays it (the first 10 ms frame at -40 dBFS or more, `PlayoutClock`; the end-of-turn wait included:
+  what a caller waits); `time_to_first_byte`: the same to the first reply audio byte received;
 - `turn`: the last voiced sample sent -> the reply's end (`response_done` / `response.done`; for
   Twilio, the arrival of its last audio);
 - `underrun`: ms a player starting at the first byte and playing at 1x real time would have starved;
@@ -151,13 +152,19 @@ class VoiceUser(User):
                          "no reply audio"):
             return None
         reply = client.replies[index]
-        self.report("time_to_first_audio", 1000 * (reply.chunks[0][0] - spoke_at))
+        self.report("time_to_first_byte", 1000 * (reply.chunks[0][0] - spoke_at))
+        if self.wait(client, lambda: reply.heard.first_audible_at is not None or reply.done is not None, ""):
+            heard_at = reply.heard.first_audible_at
+            if heard_at is not None:
+                self.report("time_to_first_audio", 1000 * (heard_at - spoke_at))
         return reply
 
     def wait_playing(self, client: VoiceClient, reply: Reply, seconds: float) -> bool:
         """Listens `seconds`; whether the reply is still playing then (and so can be spoken over)."""
         gevent.sleep(seconds)
-        return reply.stopped is None and time.monotonic() < reply.player()[1] - 0.3
+        # NOTE: a reply still coming counts as playing: a server that paces its audio (`/v1/realtime`,
+        # `/twilio/media`) keeps only ~0.2 s of it ahead of the player.
+        return reply.stopped is None and (reply.done is None or time.monotonic() < reply.player()[1] - 0.3)
 
     def wait(self, client: VoiceClient, condition: Any, what: str) -> bool:
         """Until `condition()`; a failure named `what` on a timeout or a problem of the session."""

@@ -27,7 +27,7 @@ import gevent
 import numpy as np
 import websocket
 
-from voice_server.audio import ulaw_encode
+from voice_server.audio import PlayoutClock, pcm16_from_bytes, ulaw_decode, ulaw_encode
 
 FRAME_S = 0.02
 
@@ -44,6 +44,14 @@ class Reply:
     status: str = ""
     stopped: float | None = None
     """When the server stopped this reply because the user spoke over it (cancel, truncation, clear)."""
+    heard: PlayoutClock = field(default_factory=lambda: PlayoutClock(8000))
+    """When the first audible frame of it is heard (its rate set by the client at the first chunk)."""
+
+    def hear(self, pcm16: np.ndarray, rate: int, now: float) -> None:
+        """An audio chunk arrived: the playout clock finds the first audible frame (-40 dBFS)."""
+        if self.heard.first_byte_at is None:
+            self.heard = PlayoutClock(rate)
+        self.heard.sent(pcm16, now)
 
     def player(self) -> tuple[float, float]:
         """A player that starts at the first byte and plays at 1x real time: (seconds it starved waiting
@@ -203,6 +211,7 @@ class NativeClient(VoiceClient):
         if isinstance(message, bytes):
             if reply is not None and reply.done is None:
                 reply.chunks.append((now, len(message) / 2 / self.out_rate))
+                reply.hear(pcm16_from_bytes(message), self.out_rate, now)
             return
         event = json.loads(message)
         kind = event.get("type")
@@ -246,7 +255,9 @@ class RealtimeClient(VoiceClient):
         elif kind == "response.output_item.added" and reply is not None:
             reply.item_id = event.get("item", {}).get("id", "")
         elif kind == "response.output_audio.delta" and reply is not None and reply.done is None:
-            reply.chunks.append((now, len(base64.b64decode(event["delta"])) / 2 / self.rate))
+            pcm = base64.b64decode(event["delta"])
+            reply.chunks.append((now, len(pcm) / 2 / self.rate))
+            reply.hear(pcm16_from_bytes(pcm), self.rate, now)
         elif kind == "response.done" and reply is not None:
             response = event.get("response", {})
             reply.done, reply.status = now, response.get("status", "")
@@ -316,8 +327,9 @@ class TwilioClient(VoiceClient):
         if kind == "media":
             if reply is None or reply.done is not None:
                 reply = self._new_reply(now)
-            seconds = len(base64.b64decode(event["media"]["payload"])) / self.rate
-            reply.chunks.append((now, seconds))
+            payload = base64.b64decode(event["media"]["payload"])
+            reply.chunks.append((now, len(payload) / self.rate))
+            reply.hear(ulaw_decode(np.frombuffer(payload, np.uint8)), self.rate, now)
         elif kind == "mark":
             end = reply.player()[1] if reply is not None and reply.done is None else now
             self._pending.append((end, event["mark"]["name"]))

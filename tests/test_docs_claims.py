@@ -42,7 +42,7 @@ NOT_MEASUREMENTS: dict[str, str] = {
     "resident memory on a 24 GB host": "the development VM's RAM (BENCHMARKS' preamble)",
     "first (~330 MB)": "the download size of the whisper extra (faster-whisper and its model package)",
     "first (~110 MB)": "the download size of the piper extra (piper-tts and its voice package)",
-    "the VAD's 500 ms silence window": "silence_duration_ms' default (voice_server/session/turn_config.py)",
+    "a fixed 500 ms silence window": "server_vad's silence_duration_ms default (voice_server/session/turn_config.py)",
     "20 ms frames": "the browser demo's frame size (web/audio.js FRAME_MS)",
     "also every 250 ms while playing": "the browser demo's playback report period (web/app.js)",
     "(default 5 s each)": "--request-head-timeout / --keep-alive-timeout defaults (voice_server/cli.py)",

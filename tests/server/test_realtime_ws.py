@@ -97,6 +97,8 @@ def test_barge_in_stops_the_audio_and_a_truncate_keeps_only_what_was_heard(serve
     client.send("conversation.item.truncate", item_id=reply_id, content_index=0, audio_end_ms=240)
     truncated = client.until("conversation.item.truncated")[-1]
     assert (truncated["item_id"], truncated["audio_end_ms"]) == (reply_id, 240)
+    # NOTE: a short answer: the server paces audio at real time, so a 200-word one would take 16 s.
+    client.update(max_output_tokens=12)
     client.stream(encode(signal_of(RATE, ("noise", 700))), PCM_BYTES_PER_MS)
     events = client.until("response.done")  # the interruption's own turn gets a reply
     heard = cut_text(said, 240 / sent_ms)

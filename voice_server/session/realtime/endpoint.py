@@ -19,6 +19,11 @@ the running response is aborted in every stage.
 
 `adapt` maps the Realtime session onto the core's config and the audio formats; `bridge` maps the
 session's events onto server events.
+
+Output pacing: what the session emits goes out through a `Pacer`, in order, its audio in pieces of
+`PIECE_S` no more than `lead_s` ahead of the client's playout; OpenAI's clients cannot pause, so this is
+what lets a reply held by an interruption being judged go quiet within `lead_s`, and a confirmed one
+(`speech_started`) drop the rest of its audio here rather than in the client.
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from voice_server.server.metrics import ConnectionMetrics
 from voice_server.server.sessions import SessionGuard
 from voice_server.session.core import Session
-from voice_server.session.events import SessionEvent
+from voice_server.session.events import (
+    AudioDelta,
+    ResponsePaused,
+    ResponseResumed,
+    ResponseStarted,
+    SessionEvent,
+    SpeechStarted,
+)
+from voice_server.session.pacing import Pacer
 from voice_server.session.realtime import server_events as se
 from voice_server.session.realtime.adapt import MAX_INPUT_PACE, InputPace, core_config, decode_input, sampling_params
 from voice_server.session.realtime.bridge import Bridge, Event
@@ -72,6 +85,23 @@ def choose_subprotocol(offered: Iterable[str]) -> str | None:
     return next((name for name in SUBPROTOCOLS if name in names), None)
 
 
+PIECE_S = 0.1
+"""Audio deltas are cut to this length, so that pacing (and a flush) works at this grain."""
+AUDIO_DELTA = "response.output_audio.delta"
+
+
+def _is_audio_delta(event: Event) -> bool:
+    return event.get("type") == AUDIO_DELTA
+
+
+def _pieces(event: SessionEvent, rate: int) -> list[SessionEvent]:
+    """An audio delta cut into `PIECE_S` pieces (the session sends a clause, seconds of audio, at once)."""
+    if not isinstance(event, AudioDelta):
+        return [event]
+    pcm, step = event.pcm16, max(1, int(PIECE_S * rate))
+    return [AudioDelta(event.response_id, event.item_id, pcm[i:i + step]) for i in range(0, pcm.size, step)]
+
+
 class RealtimeConnection:
     """One `/v1/realtime` connection: client events -> `Session`, its events -> the socket via `Bridge`."""
 
@@ -86,12 +116,28 @@ class RealtimeConnection:
         self.pace = InputPace()
         self._send_lock = asyncio.Lock()
         self.is_open = True
+        self.pacer: Pacer[Event] = Pacer(self._send_paced)
 
     async def emit(self, event: SessionEvent) -> None:
         # NOTE: translated under the lock, so the bridge's state changes in the order the client sees it.
         async with self._send_lock:
-            await self._send_all(self.bridge.events(event))
+            if isinstance(event, ResponsePaused):
+                self.pacer.pause()
+            elif isinstance(event, ResponseResumed):
+                self.pacer.resume()
+            elif isinstance(event, SpeechStarted | ResponseStarted):
+                # NOTE: a turn over a reply, or the next reply: what is not sent of the last one is never heard
+                # (the session thinks it played on arrival, so speech over its paced tail is not an interruption).
+                self.pacer.flush(_is_audio_delta)
+            rate = self.session.config.output_rate
+            for piece in _pieces(event, rate):
+                duration_s = piece.pcm16.size / rate if isinstance(piece, AudioDelta) else 0.0
+                for wire in self.bridge.events(piece):
+                    self.pacer.put(wire, duration_s if _is_audio_delta(wire) else 0.0)
         self.metrics.observe(event)
+
+    async def _send_paced(self, event: Event) -> None:
+        await self._send_all((event,))
 
     async def send(self, *events: Event) -> None:
         async with self._send_lock:
@@ -124,6 +170,7 @@ class RealtimeConnection:
         finally:
             self.is_open = False
             await self.session.close()
+            await self.pacer.close()
 
     async def on_frame(self, frame: str | bytes) -> None:
         event = parse_client_event(frame)

@@ -37,7 +37,16 @@ from voice_server.server.metrics import ConnectionMetrics
 from voice_server.server.sessions import SessionGuard
 from voice_server.session.config import SessionConfig
 from voice_server.session.core import Session
-from voice_server.session.events import AudioDelta, ResponseDone, ResponseStarted, SessionEvent, SpeechStarted
+from voice_server.session.events import (
+    AudioDelta,
+    ResponseDone,
+    ResponsePaused,
+    ResponseResumed,
+    ResponseStarted,
+    SessionEvent,
+    SpeechStarted,
+)
+from voice_server.session.pacing import Pacer
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.twilio.auth import is_authorized
 from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
@@ -112,6 +121,9 @@ class TwilioConnection:
         """The response running in the session (between `ResponseStarted` and `ResponseDone`)."""
         self._cleared_response_id: str | None = None
         """A response whose audio was cleared: what it still emits before the cancel lands is dropped."""
+        self.pacer: Pacer[str] = Pacer(self._send_one)
+        """The reply's media and marks, paced: Twilio plays what it has, so the server keeps its queue at
+        `lead_s`; a held reply (`ResponsePaused`) goes quiet within that, and a clear drops what is here."""
 
     @property
     def stream_sid(self) -> str:
@@ -145,6 +157,7 @@ class TwilioConnection:
             # NOTE: nothing more is sent once the call is over (not even the aborted reply's tail).
             was_open, self.is_open = self.is_open, False
             await self.session.close()
+            await self.pacer.close()
             if was_open:  # NOTE: `stop`: a clean close; a dropped socket or a fatal frame closed already
                 await self._close(1000, "stream stopped")
             log.info("twilio stream %s: ended", start.stream_sid)
@@ -207,6 +220,10 @@ class TwilioConnection:
     async def _handle(self, event: SessionEvent) -> None:
         if isinstance(event, SpeechStarted):
             await self._on_speech_started()
+        elif isinstance(event, ResponsePaused):
+            self.pacer.pause()
+        elif isinstance(event, ResponseResumed):
+            self.pacer.resume()
         elif isinstance(event, ResponseStarted):
             self._response_id = event.response_id
             self.tracker.start_response()
@@ -232,19 +249,21 @@ class TwilioConnection:
         # NOTE: before any await: the response may emit audio while the clear is being written.
         self._cleared_response_id = self._response_id
         self.encoder.reset()
+        self.pacer.flush(lambda message: True)  # NOTE: media and marks not sent yet: never played
         self.tracker.on_clear()
         await self._send([build_clear_message(self.stream_sid)])
 
     async def _send_audio(self, frames: list[bytes], *, is_last: bool) -> None:
-        messages = []
         for payload in frames:
-            messages.append(build_media_message(self.stream_sid, payload))
+            self.pacer.put(build_media_message(self.stream_sid, payload), len(payload) / TWILIO_SAMPLE_RATE)
             name = self.tracker.on_media_sent(len(payload))
             if name is not None:
-                messages.append(build_mark_message(self.stream_sid, name))
+                self.pacer.put(build_mark_message(self.stream_sid, name))
         if is_last and (name := self.tracker.mark_now()) is not None:
-            messages.append(build_mark_message(self.stream_sid, name))
-        await self._send(messages)
+            self.pacer.put(build_mark_message(self.stream_sid, name))
+
+    async def _send_one(self, message: str) -> None:
+        await self._send([message])
 
     async def _send(self, messages: list[str]) -> None:
         if not self.is_open or not messages:
