@@ -260,3 +260,36 @@ def test_ws_turn_detection_without_a_type_is_the_pipelines_default_unless_it_nam
         with connect(f"ws://127.0.0.1:{default.port}/ws", open_timeout=5) as ws:
             ws.send(json.dumps({"type": "session.start", **start}))
             assert json.loads(ws.recv(10))["turn_detection"] == want, start
+
+
+def test_the_openai_sdk_holds_a_spoken_turn_on_semantic_vad(default: SessionServer) -> None:
+    import asyncio
+
+    import openai
+    from test_realtime_sdk_client import Events, audio_ms, stream
+
+    from voice_server.audio import resample_signal
+
+    async def go() -> None:
+        client = openai.AsyncOpenAI(api_key="unused", base_url=f"http://127.0.0.1:{default.port}/v1")
+        async with client.realtime.connect(model="any") as conn:
+            events = Events(conn)
+            created = (await events.until("session.created"))[-1][1]
+            assert created.session.audio.input.turn_detection.type == "semantic_vad"  # NOTE: the pipeline's
+            await conn.session.update(session={"type": "realtime", "audio": {"input": {"turn_detection": {
+                "type": "semantic_vad", "eagerness": "high"}}}})
+            updated = (await events.until("session.updated"))[-1][1]
+            assert updated.session.audio.input.turn_detection.eagerness == "high"
+            voice = resample_signal(speech("What is the capital of France?", silence_s=0.3), ASR_RATE, 24000)
+            room = np.zeros(24000 * 3, np.float32)
+            sender = asyncio.create_task(stream(conn, pcm16_to_bytes(float32_to_pcm16(np.concatenate([voice, room])))))
+            seen = await events.until("response.done", timeout=30)
+            sender.cancel()
+            kinds = [e.type for _, e in seen]
+            assert kinds.index("input_audio_buffer.speech_started") < kinds.index("input_audio_buffer.speech_stopped")
+            assert "conversation.item.input_audio_transcription.completed" in kinds
+            done = seen[-1][1].response
+            assert done.status == "completed" and audio_ms(seen) > 300, done
+        await client.close()
+
+    asyncio.run(go())
