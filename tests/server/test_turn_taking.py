@@ -293,3 +293,24 @@ def test_the_openai_sdk_holds_a_spoken_turn_on_semantic_vad(default: SessionServ
         await client.close()
 
     asyncio.run(go())
+
+
+def test_a_short_barge_in_then_silence_ends_its_turn_without_waiting_for_the_maximum_silence(
+        default: SessionServer) -> None:
+    talk = Conversation(default.port)
+    talk.say(speech("Tell me a story about a dragon.", silence_s=0.2))
+    talk.wait_for("response_started")
+    talk.wait_played(1000)
+    words = speech("Wait, stop, please stop.", silence_s=0.0)
+    talk.say(words)
+    talk.wait_for("response_paused")
+    started = talk.wait_for("speech_started", count=2)
+    stopped = talk.wait_for("speech_stopped", count=2)
+    assert started["item_id"] == stopped["item_id"]
+    talk.wait_for("response_started", count=2)
+    talk.close()
+    # NOTE: a confirmed interruption is a turn like any other: it ends when the speaker sounds done, well
+    # before the 2 s maximum silence (eagerness auto), and its answer starts.
+    turn_ms = stopped["audio_end_ms"] - started["audio_start_ms"]
+    assert turn_ms < words.size * 1000 // ASR_RATE + 300 + 1500, (started, stopped)
+    assert_nothing_left(default)

@@ -25,7 +25,7 @@ from voice_server.audio import StreamResampler
 from voice_server.session.config import SessionConfig
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
 from voice_server.session.detectors import PauseScorer, make_detector
-from voice_server.session.end_of_turn import UNFINISHED_SCORE, words_suggest_more
+from voice_server.session.end_of_turn import UNFINISHED_SCORE, Phase, words_suggest_more
 from voice_server.session.events import (
     InputCommitted,
     ItemTruncated,
@@ -114,6 +114,12 @@ class Session(StreamedTurns):
                         silence_ms=detector.silence_ms, now=time.monotonic())
         if verdict is Verdict.CONFIRMED:
             await self._confirm()
+            if detector.machine.phase is Phase.PAUSED:
+                # NOTE: the speaker paused while this was judged ("Wait, stop." then silence): that pause's
+                # score was never asked for, and without it the turn would end only at the maximum silence.
+                self._scorer.score(detector, detector.machine.token, self.input.peek(self._turn_start_ms),
+                                   self._on_score)
+                self._speculate()
         elif verdict is Verdict.DISMISSED:
             await self._dismiss()
             # NOTE: the speech was not a turn: its request goes, the detector forgets it, nothing is committed.
