@@ -73,8 +73,13 @@ class SpokenTurn:
 
 def speak(ws: ClientConnection, text: str) -> SpokenTurn:
     """`text` spoken at real-time pace, then silence streaming on (a live microphone) until the reply is done."""
+    return say(ws, speech(text, silence_s=0.3))
+
+
+def say(ws: ClientConnection, audio: np.ndarray) -> SpokenTurn:
+    """`audio` (16 kHz float32) at real-time pace, then silence until the reply is done."""
     turn = SpokenTurn(ws)
-    pcm = float32_to_pcm16(speech(text, silence_s=0.3))
+    pcm = float32_to_pcm16(audio)
     frames = [pcm[i:i + FRAME] for i in range(0, len(pcm), FRAME)]
     silence = np.zeros(FRAME, np.int16)
     start = time.monotonic()

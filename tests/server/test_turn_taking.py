@@ -24,7 +24,7 @@ from harness import Pipeline
 from live_server import metric
 from session_server import SessionServer, serve
 from speech_text import ASR_RATE, hesitant_speech, speech, word_error_rate
-from test_default_pipeline import SpokenTurn
+from test_default_pipeline import say
 from websockets.sync.client import ClientConnection, connect
 
 from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
@@ -47,23 +47,6 @@ def open_session(port: int) -> ClientConnection:
     started = json.loads(ws.recv(10))
     assert started["turn_detection"] == "semantic_vad", started  # NOTE: the pipeline's default
     return ws
-
-
-def say(ws: ClientConnection, audio: np.ndarray) -> SpokenTurn:
-    """`audio` at real-time pace, then silence until the response is done (a live microphone)."""
-    turn = SpokenTurn(ws)
-    pcm = float32_to_pcm16(audio)
-    frames = [pcm[i:i + FRAME] for i in range(0, len(pcm), FRAME)]
-    silence = np.zeros(FRAME, np.int16)
-    start = time.monotonic()
-    for i in range(10_000):
-        if i >= len(frames) and turn.done.is_set():
-            break
-        ws.send(pcm16_to_bytes(frames[i] if i < len(frames) else silence))
-        time.sleep(max(0.0, start + (i + 1) * 0.02 - time.monotonic()))
-        assert time.monotonic() - start < 60, turn.events
-    turn.thread.join(5)
-    return turn
 
 
 def assert_nothing_left(srv: SessionServer) -> None:

@@ -48,7 +48,6 @@ class PauseScorer:
 
     def __init__(self) -> None:
         self._task: asyncio.Task[None] | None = None
-        self.num_scored = 0
 
     def score(self, detector: Detector | None, token: int, audio: npt.NDArray[np.int16], on_score: OnScore) -> None:
         """Score the turn in `audio` for the pause `token`, then hand the result to `on_score`."""
@@ -69,7 +68,6 @@ class PauseScorer:
         except Exception:
             log.exception("the end-of-turn model failed; the turn ends at its maximum silence instead")
             probability = 0.0
-        self.num_scored += 1
         # NOTE: detached first: the handling may cancel "the score in flight", which is no longer this.
         if self._task is asyncio.current_task():
             self._task = None

@@ -86,14 +86,17 @@ class ResponseRun:
         self.held_transcript: str | None = None
         """The final transcript of the audio up to the pause, once a held response has it."""
 
+    def _since_start_ms(self, at: float) -> float:
+        return round(1000.0 * (at - self.started_at), 3)
+
     def start(self) -> None:
         self.started_at = time.monotonic()
         self.opened_at = self.opened_at or self.started_at
         if self.speech_end_at is not None:
-            self.timings_ms["end_of_speech"] = round(1000.0 * (self.speech_end_at - self.started_at), 3)
+            self.timings_ms["end_of_speech"] = self._since_start_ms(self.speech_end_at)
         for stage, at in self._stamps.items():
             # NOTE: negative for what a speculative response had done before its turn was committed.
-            self.timings_ms.setdefault(stage, round(1000.0 * (at - self.started_at), 3))
+            self.timings_ms.setdefault(stage, self._since_start_ms(at))
 
     def speculate(self) -> None:
         """The turn's input ended at a pause the turn may not end at: run on, but keep what comes back."""
@@ -150,7 +153,7 @@ class ResponseRun:
                 if stage != "submit" and at >= self.opened_at and stage not in self._stamps:
                     self._stamps[stage] = at
                     if self.started_at:
-                        self.timings_ms.setdefault(stage, round(1000.0 * (at - self.started_at), 3))
+                        self.timings_ms.setdefault(stage, self._since_start_ms(at))
         await self._on_transcript(output.payload, arrived_at)
         if output.is_final:
             self._count_tokens(output.payload)
@@ -178,7 +181,7 @@ class ResponseRun:
             if self.opened_at:
                 at = self._stamps.setdefault("transcript", arrived_at)
                 if self.started_at:
-                    self.timings_ms.setdefault("transcript", round(1000.0 * (at - self.started_at), 3))
+                    self.timings_ms.setdefault("transcript", self._since_start_ms(at))
             if self.conversation is not None:
                 self.conversation.set_transcript(self.user_item_id, final)
             await self.emit(InputTranscriptDone(self.user_item_id, final))
@@ -209,9 +212,9 @@ class ResponseRun:
         was_audible = playout.first_audible_at is not None
         playout.sent(pcm16, time.monotonic())
         if "first_audio_sent" not in self.timings_ms and playout.first_byte_at is not None:
-            self.timings_ms["first_audio_sent"] = round(1000.0 * (playout.first_byte_at - self.started_at), 3)
+            self.timings_ms["first_audio_sent"] = self._since_start_ms(playout.first_byte_at)
         if not was_audible and playout.first_audible_at is not None:
-            self.timings_ms["first_audible"] = round(1000.0 * (playout.first_audible_at - self.started_at), 3)
+            self.timings_ms["first_audible"] = self._since_start_ms(playout.first_audible_at)
         self.num_samples += pcm16.size
         self.item.num_audio_ms = self.num_samples * 1000 // self.output_rate
         await self.emit(AudioDelta(self.response_id, self.item.item_id, pcm16))

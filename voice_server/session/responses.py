@@ -54,8 +54,6 @@ class Responses:
         self.played_at: float | None = None
         """When it came (monotonic)."""
         self.num_barge_ins = 0
-        self.num_dismissed = 0
-        """Speech over a reply that paused it and was not an interruption (the reply resumed)."""
         self.interruption: Interruption | None = None
         """Speech over a reply, not yet confirmed or dismissed (`semantic_vad`)."""
         self._speech_end_at: float | None = None
@@ -190,7 +188,6 @@ class Responses:
         """The speech over the reply was not an interruption: the reply goes on from where it paused."""
         pending, self.interruption = self.interruption, None
         assert pending is not None
-        self.num_dismissed += 1
         await self.emit(ResponseResumed(pending.response_id))
         if pending.run is not None and pending.run is self._run and self._is_responding():
             await pending.run.release()

@@ -25,6 +25,7 @@ from typing import cast
 
 import numpy as np
 import numpy.typing as npt
+import onnxruntime as ort
 
 from voice_server.audio import StreamResampler, pcm16_to_float32, resample_signal
 from voice_server.session.end_of_turn import WINDOW_MS, EndOfTurn, Phase, SilenceStarted, SpeechResumed
@@ -32,7 +33,7 @@ from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.turn_models import SileroVad, SmartTurnModel, load_silero_session
 from voice_server.session.vad import INPUT_RATES
 
-__all__ = ["SemanticTurnDetector", "SilenceStarted", "SpeechResumed", "TurnModels", "shared_models"]
+__all__ = ["EndOfTurnModels", "SemanticTurnDetector", "SilenceStarted", "SpeechResumed", "shared_models"]
 
 MODEL_RATE = 16000
 QUIET_DB = -50.0
@@ -40,8 +41,8 @@ QUIET_DB = -50.0
 
 
 @dataclass(frozen=True)
-class TurnModels:
-    silero: object
+class EndOfTurnModels:
+    silero: ort.InferenceSession
     """Silero's onnxruntime `InferenceSession`, shared by every `SileroVad` stream."""
     smart_turn: SmartTurnModel
 
@@ -50,11 +51,11 @@ _LOCK = threading.Lock()
 
 
 @functools.cache
-def _load() -> TurnModels:
-    return TurnModels(load_silero_session(num_threads=1), SmartTurnModel(num_threads=1))
+def _load() -> EndOfTurnModels:
+    return EndOfTurnModels(load_silero_session(num_threads=1), SmartTurnModel(num_threads=1))
 
 
-def shared_models() -> TurnModels:
+def shared_models() -> EndOfTurnModels:
     """This process's end-of-turn models, loaded at the first call (~0.3 s); RuntimeError naming the
     package to install when their files are missing."""
     with _LOCK:  # NOTE: functools.cache alone could load twice when two threads ask at once
@@ -62,7 +63,7 @@ def shared_models() -> TurnModels:
 
 
 class SemanticTurnDetector:
-    def __init__(self, config: TurnDetectionConfig, input_rate: int, models: TurnModels | None = None) -> None:
+    def __init__(self, config: TurnDetectionConfig, input_rate: int, models: EndOfTurnModels | None = None) -> None:
         if not isinstance(config, TurnDetectionConfig) or not config.is_semantic:
             raise ValueError(f"config must be a semantic_vad TurnDetectionConfig, got {config!r:.80}")
         if isinstance(input_rate, bool) or not isinstance(input_rate, int) or input_rate not in INPUT_RATES:
@@ -73,8 +74,6 @@ class SemanticTurnDetector:
         self._vad = SileroVad(self.models.silero)
         self._resampler = None if input_rate == MODEL_RATE else StreamResampler(input_rate, MODEL_RATE)
         self._num_to_drop = 0 if self._resampler is None else self._resampler.spec.delay_out
-        self._level_pending = np.zeros(0, np.float32)
-        """16 kHz audio of the window Silero has not completed yet, for its level (same boundaries)."""
 
     @property
     def is_speaking(self) -> bool:
@@ -96,10 +95,6 @@ class SemanticTurnDetector:
         machine = self.machine
         return machine.now_ms - machine.speech_end_ms if machine.phase is Phase.PAUSED else 0
 
-    @property
-    def smart_turn(self) -> SmartTurnModel:
-        return self.models.smart_turn
-
     def reset(self) -> None:
         self.machine.reset()
 
@@ -118,17 +113,9 @@ class SemanticTurnDetector:
             if self._num_to_drop:
                 num_dropped = min(self._num_to_drop, audio.size)
                 audio, self._num_to_drop = audio[num_dropped:], self._num_to_drop - num_dropped
-        probabilities = self._vad.feed(audio)
-        pending = np.concatenate((self._level_pending, audio))
-        window = SileroVad.WINDOW
-        num_windows = pending.size // window
-        assert num_windows == len(probabilities)  # NOTE: both count 512-sample windows from the stream's start
-        power = (pending[: num_windows * window].astype(np.float64).reshape(num_windows, window) ** 2).mean(axis=1)
-        is_quiet = 10.0 * np.log10(np.maximum(power, 1e-20)) < QUIET_DB
-        self._level_pending = pending[num_windows * window:].copy()
         events: list[object] = []
-        for probability, quiet in zip(probabilities, is_quiet, strict=True):
-            events.extend(self.machine.step(probability, bool(quiet)))
+        for probability, level_db in self._vad.feed_windows(audio):
+            events.extend(self.machine.step(probability, level_db < QUIET_DB))
         return events
 
     def on_score(self, token: int, probability: float) -> list[object]:
@@ -141,4 +128,4 @@ class SemanticTurnDetector:
         pcm = pcm16_to_float32(audio[-self.input_rate * SmartTurnModel.MAX_AUDIO_S:])
         if self.input_rate != MODEL_RATE:
             pcm = resample_signal(pcm, self.input_rate, MODEL_RATE)
-        return self.smart_turn.predict(pcm) if pcm.size else 0.0
+        return self.models.smart_turn.predict(pcm) if pcm.size else 0.0

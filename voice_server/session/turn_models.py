@@ -189,11 +189,18 @@ class SileroVad:
 
     def feed(self, audio16k: npt.NDArray[np.float32]) -> list[float]:
         """Buffers ``audio16k`` and returns the speech probability of each window it completes, in order."""
+        return [probability for probability, _ in self.feed_windows(audio16k)]
+
+    def feed_windows(self, audio16k: npt.NDArray[np.float32]) -> list[tuple[float, float]]:
+        """As ``feed``, each window's probability with its RMS level (dBFS)."""
         pending = np.concatenate([self._pending, np.asarray(audio16k, dtype=np.float32).reshape(-1)])
         num_windows = len(pending) // self.WINDOW
-        probs = [self._score(pending[i * self.WINDOW:(i + 1) * self.WINDOW]) for i in range(num_windows)]
+        windows = pending[: num_windows * self.WINDOW].reshape(num_windows, self.WINDOW)
+        power = (windows.astype(np.float64) ** 2).mean(axis=1)
+        levels = 10.0 * np.log10(np.maximum(power, 1e-20))
+        out = [(self._score(window), float(level)) for window, level in zip(windows, levels, strict=True)]
         self._pending = pending[num_windows * self.WINDOW:].copy()
-        return probs
+        return out
 
     def _score(self, window: npt.NDArray[np.float32]) -> float:
         x = np.concatenate([self._context, window[None]], axis=1)
