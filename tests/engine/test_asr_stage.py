@@ -142,6 +142,7 @@ def test_abort_mid_turn_returns_the_decoder_and_a_full_pool_refuses_as_overload(
     ({"max_streams": True}, "factory_args.max_streams", r"integer in \[1, 1024\]"),
     ({"max_audio_seconds": -1}, "factory_args.max_audio_seconds", "a number > 0"),
     ({"fwdflat": "yes"}, "factory_args.fwdflat", "true or false"),
+    ({"max_hmms_per_frame": 50}, "factory_args.max_hmms_per_frame", r"integer in \[100, 1000000\]"),
     ({"beam": 1e-48}, "factory_args.beam", "unknown key"),
 ])
 def test_bad_factory_args_name_the_field(factory_args: dict[str, Any], field: str, match: str) -> None:

@@ -38,9 +38,18 @@ class DecoderOptions:
     """PocketSphinx's second, flat-lexicon search at the end of each utterance. Off by default: it adds
     ~50 ms to `end_utt` (on the first-audio path) for no measured gain in word error rate here."""
 
+    max_hmms_per_frame: int = 3000
+    """PocketSphinx's `maxhmmpf`: the search keeps at most this many active HMMs per frame. Its own default
+    (30000) costs ~0.2 s of CPU per second of speech; 3000 about 0.12 s at the same word error rate on
+    the turn-taking set (`loadtest/bench_asr.py`, docs/BENCHMARKS.md), so a 2-vCPU host keeps up with
+    twice as many people talking at once."""
+
     def __post_init__(self) -> None:
         if not isinstance(self.is_fwdflat, bool):
             raise ValueError(f"DecoderOptions.is_fwdflat: must be a bool, got {self.is_fwdflat!r}")
+        value = self.max_hmms_per_frame
+        if isinstance(value, bool) or not isinstance(value, int) or value < 100:
+            raise ValueError(f"DecoderOptions.max_hmms_per_frame: must be an integer >= 100, got {value!r}")
 
 
 def model_paths() -> dict[str, str]:
@@ -52,7 +61,8 @@ def model_paths() -> dict[str, str]:
 
 def build_decoder(options: DecoderOptions) -> Decoder:
     # NOTE: loglevel ERROR: at INFO PocketSphinx writes hundreds of lines per decoder to the stage's stderr.
-    return Decoder(**model_paths(), samprate=SAMPLING_RATE, fwdflat=options.is_fwdflat, loglevel="ERROR")
+    return Decoder(**model_paths(), samprate=SAMPLING_RATE, fwdflat=options.is_fwdflat,
+                   maxhmmpf=options.max_hmms_per_frame, loglevel="ERROR")
 
 
 class SphinxRecognizer:

@@ -20,11 +20,11 @@ Hysteresis: a window is speech at probability >= 0.5 and non-speech below 0.35 (
 convention); in between it continues the run it is in, so a flickering probability neither opens nor
 closes anything by itself.
 
-Quiet windows (`is_quiet`: RMS under -50 dBFS, no speech at a talking level) count as non-speech once a
-turn is open, whatever Silero says: Silero's probability stays high for 60-200 ms after the last word
-(measured on TTS speech), which would otherwise delay every pause, and so the speculative response and
-the commit, by as much. A turn still opens on Silero alone (a soft talker is not gated out), and on a
-line whose noise floor is above -50 dBFS the gate never fires, leaving Silero to decide.
+Quiet windows (`is_quiet`: near the line's noise floor, well under the speaker's level; `QuietGate` in
+`semantic_vad.py`) count as non-speech once a turn is open, whatever Silero says: Silero's probability
+stays high for 60-200 ms after the last word (measured on TTS speech), which would otherwise delay every
+pause, and so the speculative response and the commit, by as much. A turn still opens on Silero alone
+(a soft talker is not gated out).
 """
 
 from __future__ import annotations

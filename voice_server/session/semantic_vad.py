@@ -19,7 +19,9 @@ so window `i` is exactly input `[32 i, 32 i + 32)` ms.
 from __future__ import annotations
 
 import functools
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import cast
 
@@ -28,16 +30,66 @@ import numpy.typing as npt
 import onnxruntime as ort
 
 from voice_server.audio import StreamResampler, pcm16_to_float32, resample_signal
-from voice_server.session.end_of_turn import WINDOW_MS, EndOfTurn, Phase, SilenceStarted, SpeechResumed
+from voice_server.session.end_of_turn import (
+    HYSTERESIS,
+    SPEECH_THRESHOLD,
+    WINDOW_MS,
+    EndOfTurn,
+    Phase,
+    SilenceStarted,
+    SpeechResumed,
+)
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.turn_models import SileroVad, SmartTurnModel, load_silero_session
 from voice_server.session.vad import INPUT_RATES
 
-__all__ = ["EndOfTurnModels", "SemanticTurnDetector", "SilenceStarted", "SpeechResumed", "shared_models"]
+__all__ = ["EndOfTurnModels", "QuietGate", "SemanticTurnDetector", "SilenceStarted", "SpeechResumed", "shared_models"]
 
 MODEL_RATE = 16000
 QUIET_DB = -50.0
-"""A 32 ms window under this RMS level holds no speech at a talking level (`EndOfTurn`'s `is_quiet`)."""
+"""A 32 ms window under this RMS level holds no speech at a talking level (`EndOfTurn`'s `is_quiet`),
+whatever the line's noise floor."""
+FLOOR_MARGIN_DB = 3.0
+"""A window within this much of the line's noise floor is quiet: white noise's 32 ms windows stay within
+~0.5 dB of its level. Not more: a word's soft fricative 20 dB under the speaker ("of France") comes
+within ~4 dB of a floor 20 dB down, and three such windows in a row would make a pause mid-sentence."""
+SPEECH_MARGIN_DB = 15.0
+"""...and always this much under the speaker's level (the upper quartile of speech windows: a word's loud
+part, near its active speech level; their median falls in the soft parts): at a low SNR a word's soft
+sounds sit near the floor, and Silero alone decides (as with no gate)."""
+NUM_LEVEL_WINDOWS = 64
+"""Windows (~2 s) of each kind that give the floor and the speaker's level."""
+MIN_NOISE_WINDOWS = 8
+"""The floor is not guessed from less (~0.25 s); until then the gate is `QUIET_DB`."""
+
+
+class QuietGate:
+    """Which windows are quiet (`EndOfTurn`'s `is_quiet`), on a line's own noise floor.
+
+    A fixed level (`QUIET_DB`) never fires on a noisy line (a phone, a street, a fan), which left the
+    60-200 ms of Silero's lag after the last word in every pause there. The gate follows the median
+    level of the last windows Silero calls non-speech (the floor) and the upper quartile of those it
+    calls speech (the speaker), so a cough or a burst among them moves neither: a window is quiet under
+    `min(floor + FLOOR_MARGIN_DB, speaker - SPEECH_MARGIN_DB)`, and always under `QUIET_DB`."""
+
+    def __init__(self) -> None:
+        self._noise: deque[float] = deque(maxlen=NUM_LEVEL_WINDOWS)
+        self._speech: deque[float] = deque(maxlen=NUM_LEVEL_WINDOWS)
+        self.level_db = QUIET_DB
+        """Windows under this RMS level are quiet."""
+
+    def is_quiet(self, probability: float, level_db: float) -> bool:
+        if probability < SPEECH_THRESHOLD - HYSTERESIS:
+            self._noise.append(level_db)
+        elif probability >= SPEECH_THRESHOLD:
+            self._speech.append(level_db)
+        if len(self._noise) >= MIN_NOISE_WINDOWS:
+            level = statistics.median(self._noise) + FLOOR_MARGIN_DB
+            if self._speech:
+                loud = sorted(self._speech)[len(self._speech) * 3 // 4]  # NOTE: words' loud parts
+                level = min(level, loud - SPEECH_MARGIN_DB)
+            self.level_db = max(QUIET_DB, level)
+        return level_db < self.level_db
 
 
 @dataclass(frozen=True)
@@ -72,6 +124,7 @@ class SemanticTurnDetector:
         self.models = models or shared_models()
         self.machine = EndOfTurn(config)
         self._vad = SileroVad(self.models.silero)
+        self.gate = QuietGate()
         self._resampler = None if input_rate == MODEL_RATE else StreamResampler(input_rate, MODEL_RATE)
         self._num_to_drop = 0 if self._resampler is None else self._resampler.spec.delay_out
 
@@ -115,7 +168,7 @@ class SemanticTurnDetector:
                 audio, self._num_to_drop = audio[num_dropped:], self._num_to_drop - num_dropped
         events: list[object] = []
         for probability, level_db in self._vad.feed_windows(audio):
-            events.extend(self.machine.step(probability, level_db < QUIET_DB))
+            events.extend(self.machine.step(probability, self.gate.is_quiet(probability, level_db)))
         return events
 
     def on_score(self, token: int, probability: float) -> list[object]:

@@ -16,6 +16,9 @@ factory_args (all optional):
 - `max_audio_seconds` (60): the longest turn (or a whole request's audio); longer is refused alone.
 - `fwdflat` (false, pocketsphinx only): PocketSphinx's second search pass at the end of each utterance
   (~50 ms more latency before the thinker can start, for no measured accuracy gain on synthetic speech).
+- `max_hmms_per_frame` (3000, pocketsphinx only): the search's bound on active HMMs per frame
+  (PocketSphinx's `maxhmmpf`; its own default, 30000, costs ~1.5x the CPU per second of speech at the same
+  word error rate here: `loadtest/bench_asr.py`).
 - `num_threads` (1, whisper only): CTranslate2 threads for one transcription.
 """
 
@@ -34,14 +37,15 @@ from voice_server.runners.asr_whisper import WhisperOptions, WhisperPool, Whispe
 
 log = logging.getLogger(__name__)
 
-FACTORY_ARGS = ("engine", "max_streams", "max_audio_seconds", "fwdflat", "num_threads")
+FACTORY_ARGS = ("engine", "max_streams", "max_audio_seconds", "fwdflat", "max_hmms_per_frame", "num_threads")
 ENGINES = ("pocketsphinx", "whisper")
-ENGINE_ARGS = {"fwdflat": "pocketsphinx", "num_threads": "whisper"}
+ENGINE_ARGS = {"fwdflat": "pocketsphinx", "max_hmms_per_frame": "pocketsphinx", "num_threads": "whisper"}
 """Factory args that only one engine takes."""
 MAX_THREADS = 64
 DEFAULT_MAX_STREAMS = 16
 MAX_STREAMS_LIMIT = 1024
 """A sanity bound: each PocketSphinx decoder holds ~90 MB."""
+MAX_HMMS_LIMIT = 1_000_000
 
 
 def create_asr(ctx: StageContext) -> AsrRunner:
@@ -72,10 +76,14 @@ def create_asr(ctx: StageContext) -> AsrRunner:
     is_fwdflat: Any = args.get("fwdflat", False)
     if not isinstance(is_fwdflat, bool):
         raise fail(where, "factory_args.fwdflat", f"must be true or false, got {show(is_fwdflat)}")
-    log.info("stage %s: building %d PocketSphinx decoders (en-us, fwdflat %s)", stage.name, max_streams,
-             "on" if is_fwdflat else "off")
+    max_hmms: Any = args.get("max_hmms_per_frame", DecoderOptions.max_hmms_per_frame)
+    if isinstance(max_hmms, bool) or not isinstance(max_hmms, int) or not 100 <= max_hmms <= MAX_HMMS_LIMIT:
+        raise fail(where, "factory_args.max_hmms_per_frame", f"must be an integer in [100, {MAX_HMMS_LIMIT}], "
+                   f"got {show(max_hmms)}")
+    log.info("stage %s: building %d PocketSphinx decoders (en-us, fwdflat %s, maxhmmpf %d)", stage.name,
+             max_streams, "on" if is_fwdflat else "off", max_hmms)
     try:
-        pool = DecoderPool(max_streams, DecoderOptions(is_fwdflat=is_fwdflat), stage.name, ctx.progress)
+        pool = DecoderPool(max_streams, DecoderOptions(is_fwdflat, max_hmms), stage.name, ctx.progress)
     except RuntimeError as exc:  # NOTE: PocketSphinx's own error for a model it cannot load
         raise ConfigError(f"{where}: cannot build a speech decoder: {exc}") from exc
     log.info("stage %s: %d decoders ready in %.2f s", stage.name, max_streams, pool.load_s)

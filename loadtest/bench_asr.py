@@ -1,0 +1,96 @@
+"""PocketSphinx search settings: CPU per second of speech against word error rate, side by side.
+
+The asr stage decodes every open turn as it is spoken, so its CPU per second of speech is what limits
+how many people can talk at once on a small machine (8 sessions on 2 vCPUs: at a real-time factor of
+0.2, eight speakers need 1.6 cores for recognition alone). `end_utt` (the final search after the last
+frame) is on the first-audio path.
+
+Speech: the turn-taking set's spoken items (`turntaking_set.py`: complete questions, barge-ins and
+prompts, hibari-tts at three rates and three levels, half of the questions in white noise at 20 dB SNR,
+a -60 dBFS floor under all; the hesitations without their pause), fed in 20 ms chunks as a session
+streams them. Each setting decodes every item on one decoder (one thread), in turn, twice; the table
+has the faster pass (this VM's neighbours are noisy). WER is over the items' words (`tests/speech_text.py`'s
+normalisation), clean and noisy apart.
+
+Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+ROOT = Path(__file__).resolve().parent
+sys.path[:0] = [str(ROOT), str(ROOT.parent / "tests")]
+
+import numpy as np  # noqa: E402
+from speech_text import word_error_rate  # noqa: E402
+from table import cpu_description, format_table  # noqa: E402
+from turntaking_set import Item, make_items  # noqa: E402
+
+from voice_server.audio import float32_to_pcm16  # noqa: E402
+from voice_server.runners.asr_decoders import DecoderOptions, build_decoder  # noqa: E402
+
+SETTINGS: dict[str, dict[str, Any]] = {
+    "pocketsphinx defaults (maxhmmpf 30000)": {"max_hmms_per_frame": 30000},
+    "maxhmmpf 5000": {"max_hmms_per_frame": 5000},
+    "maxhmmpf 3000 (the asr stage's default)": {},
+    "maxhmmpf 2000": {"max_hmms_per_frame": 2000},
+    "maxhmmpf 3000, fwdflat": {"is_fwdflat": True},
+}
+CHUNK = 320  # NOTE: 20 ms at 16 kHz, as a session streams a turn
+
+
+def decode(decoder: Any, item: Item) -> tuple[str, float, float]:
+    """(transcript, CPU seconds feeding the audio, CPU seconds in `end_utt`)."""
+    pcm = float32_to_pcm16(item.audio)
+    decoder.start_utt()
+    start = time.process_time()
+    for i in range(0, pcm.size, CHUNK):
+        decoder.process_raw(pcm[i:i + CHUNK].tobytes(), False, False)
+    fed = time.process_time()
+    decoder.end_utt()
+    hyp = decoder.hyp()
+    return (hyp.hypstr if hyp is not None else ""), fed - start, time.process_time() - fed
+
+
+def measure(name: str, options: DecoderOptions, items: list[Item]) -> dict[str, Any]:
+    decoder = build_decoder(options)
+    best: tuple[float, list[float]] | None = None
+    for _ in range(2):
+        results = [decode(decoder, item) for item in items]
+        feed_s = sum(r[1] + r[2] for r in results)
+        if best is None or feed_s < best[0]:
+            best = (feed_s, [r[2] for r in results])
+        errors = [word_error_rate(item.name, r[0]) for item, r in zip(items, results, strict=True)]
+    assert best is not None
+    speech_s = sum(item.duration_s for item in items)
+    return {"setting": name, "rtf": best[0] / speech_s,
+            "end_utt_p50_ms": float(np.median(best[1])) * 1000,
+            "wer_clean": float(np.mean([e for item, e in zip(items, errors, strict=True) if item.snr_db is None])),
+            "wer_noisy": float(np.mean([e for item, e in zip(items, errors, strict=True) if item.snr_db is not None])),
+            "num_items": len(items)}
+
+
+def main() -> None:
+    items = [item for category, count in (("complete", 12), ("barge_in", 10), ("hesitation", 10), ("prompt", 6))
+             for item in make_items(category, count)]
+    items = [Item(i.category, i.name.replace(",", ""), i.audio, i.speech, None, i.speed, i.level_db, i.snr_db)
+             for i in items]
+    rows = [measure(name, DecoderOptions(**fields), items) for name, fields in SETTINGS.items()]
+    base = rows[0]["rtf"]
+    for row in rows:
+        row["rtf_vs_defaults"] = row["rtf"] / base
+    print(f"{cpu_description()}\n")
+    print(f"== PocketSphinx settings over {len(items)} items "
+          f"({sum(i.duration_s for i in items):.1f} s of speech, one thread) ==")
+    print(format_table(rows))
+    print(f"\n{cpu_description()}")
+
+
+if __name__ == "__main__":
+    main()
