@@ -1,4 +1,5 @@
-"""PocketSphinx search settings: CPU per second of speech against word error rate, side by side.
+"""PocketSphinx settings (search bound, starting cepstral mean): CPU per second of speech against word
+error rate, side by side.
 
 The asr stage decodes every open turn as it is spoken, so its CPU per second of speech is what limits
 how many people can talk at once on a small machine (8 sessions on 2 vCPUs: at a real-time factor of
@@ -8,9 +9,9 @@ frame) is on the first-audio path.
 Speech: the turn-taking set's spoken items (`turntaking_set.py`: complete questions, barge-ins and
 prompts, hibari-tts at three rates and three levels, half of the questions in white noise at 20 dB SNR,
 a -60 dBFS floor under all; the hesitations without their pause), fed in 20 ms chunks as a session
-streams them. Each setting decodes every item on one decoder (one thread), in turn, twice; the table
-has the faster pass (this VM's neighbours are noisy). WER is over the items' words (`tests/speech_text.py`'s
-normalisation), clean and noisy apart.
+streams them. Each setting decodes every item on one decoder (one thread), in turn, each from the
+setting's starting cepstral mean, twice; the table has the faster pass (this VM's neighbours are
+noisy). WER is over the items' words (`tests/speech_text.py`'s normalisation), clean and noisy apart.
 
 Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py
 """
@@ -35,19 +36,24 @@ from turntaking_set import Item, make_items  # noqa: E402
 from voice_server.audio import float32_to_pcm16  # noqa: E402
 from voice_server.runners.asr_decoders import DecoderOptions, build_decoder  # noqa: E402
 
+GENERIC_CMN = "40,3,-1,0,0,0,0,0,0,0,0,0,0"
+"""PocketSphinx's own starting cepstral mean (`cmninit`), where the asr stage started every utterance before."""
 SETTINGS: dict[str, dict[str, Any]] = {
-    "pocketsphinx defaults (maxhmmpf 30000)": {"max_hmms_per_frame": 30000},
-    "maxhmmpf 5000": {"max_hmms_per_frame": 5000},
-    "maxhmmpf 3000 (the asr stage's default)": {},
-    "maxhmmpf 2000": {"max_hmms_per_frame": 2000},
-    "maxhmmpf 3000, fwdflat": {"is_fwdflat": True},
+    "maxhmmpf 30000, generic CMN (PocketSphinx's defaults; the stage before)": {
+        "max_hmms_per_frame": 30000, "initial_cmn": GENERIC_CMN},
+    "maxhmmpf 3000, generic CMN": {"initial_cmn": GENERIC_CMN},
+    "maxhmmpf 30000, speech CMN": {"max_hmms_per_frame": 30000},
+    "maxhmmpf 3000, speech CMN (the stage's default now)": {},
+    "maxhmmpf 2000, speech CMN": {"max_hmms_per_frame": 2000},
 }
 CHUNK = 320  # NOTE: 20 ms at 16 kHz, as a session streams a turn
 
 
-def decode(decoder: Any, item: Item) -> tuple[str, float, float]:
-    """(transcript, CPU seconds feeding the audio, CPU seconds in `end_utt`)."""
+def decode(decoder: Any, options: DecoderOptions, item: Item) -> tuple[str, float, float]:
+    """(transcript, CPU seconds feeding the audio, CPU seconds in `end_utt`), every item from the same
+    starting cepstral mean, as the asr stage lends a decoder (`SphinxRecognizer.start`)."""
     pcm = float32_to_pcm16(item.audio)
+    decoder.set_cmn(options.initial_cmn)
     decoder.start_utt()
     start = time.process_time()
     for i in range(0, pcm.size, CHUNK):
@@ -62,7 +68,7 @@ def measure(name: str, options: DecoderOptions, items: list[Item]) -> dict[str, 
     decoder = build_decoder(options)
     best: tuple[float, list[float]] | None = None
     for _ in range(2):
-        results = [decode(decoder, item) for item in items]
+        results = [decode(decoder, options, item) for item in items]
         feed_s = sum(r[1] + r[2] for r in results)
         if best is None or feed_s < best[0]:
             best = (feed_s, [r[2] for r in results])

@@ -12,8 +12,9 @@ import pytest
 from asr_checks import HISTORY, MAX_WER, run, runner_over
 from speech_text import SENTENCES, chunks, speech, word_error_rate
 
+from voice_server.audio import float32_to_pcm16
 from voice_server.runners.admission import AdmissionRules, admit
-from voice_server.runners.asr_decoders import DecoderPool
+from voice_server.runners.asr_decoders import SPEECH_CMN, DecoderOptions, DecoderPool
 from voice_server.runners.asr_runner import AsrRunner
 from voice_server.scheduling import AdmissionError, CapacityError, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
@@ -218,3 +219,30 @@ def test_the_thinker_takes_the_asr_result_as_its_request(runner: AsrRunner) -> N
     assert admitted.payload == {"token_ids": [1, 2, 3]} and seen == [result.payload["messages"]]
     with pytest.raises(AdmissionError, match=r"unknown field\(s\) input_transcript"):
         admit(WorkItem("p", WorkKind.NEW, {"prompt": "hi", "input_transcript": "hi"}), rules)
+
+
+@pytest.mark.parametrize(("fields", "match"), [
+    ({"initial_cmn": "40,3,-1"}, "initial_cmn: must be 13 comma-separated numbers"),
+    ({"initial_cmn": "40,3,-1,0,0,0,0,0,0,0,0,0,nan"}, "initial_cmn: must be 13 comma-separated numbers"),
+    ({"max_hmms_per_frame": 10}, "max_hmms_per_frame: must be an integer >= 100"),
+    ({"is_fwdflat": 1}, "is_fwdflat: must be a bool"),
+])
+def test_decoder_options_name_the_bad_field(fields: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        DecoderOptions(**fields)
+
+
+def test_every_lent_decoder_starts_from_the_speech_cepstral_mean(pool: DecoderPool) -> None:
+    recognizer = pool.acquire()
+    assert recognizer is not None
+    recognizer.start()
+    recognizer.feed(float32_to_pcm16(speech(SENTENCES[0])).tobytes())
+    recognizer.finish()
+    pool.give_back(recognizer, is_in_utterance=False)
+    again = pool.acquire()
+    assert again is not None
+    again.start()  # NOTE: the last speaker's adapted mean is gone: every utterance starts from the same one
+    assert [float(v) for v in again.decoder.get_cmn(False).split(",")] == pytest.approx(
+        [float(v) for v in SPEECH_CMN.split(",")], abs=0.01)
+    again.finish()
+    pool.give_back(again, is_in_utterance=False)

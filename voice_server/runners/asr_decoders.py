@@ -14,6 +14,7 @@ The models are the en-us acoustic model, `en-us.lm.bin` and `cmudict-en-us.dict`
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -32,12 +33,30 @@ _WARM_UP_SAMPLES = SAMPLING_RATE // 2
 then, not on a user's turn."""
 
 
+SPEECH_CMN = "58.6,-3.3,-1.1,1.5,-3.2,-3.0,-0.7,4.7,-0.8,-1.6,-0.8,-0.2,0.4"
+"""Where every utterance's live cepstral mean starts: the mean over whole utterances of speech (hibari-tts
+sentences at -26, -20 and -14 dBFS, clean and in noise, none from the benchmark's set). The en-us model
+was trained with per-utterance (batch) means; decoding live, PocketSphinx starts from its generic
+`40,3,-1,0,...`, far from speech's, and misrecognises an utterance's first second while the mean
+catches up: word error rate 0.37 from there, 0.21 from this on the turn-taking set
+(`loadtest/bench_asr.py`, docs/BENCHMARKS.md)."""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 @dataclass(frozen=True)
 class DecoderOptions:
     is_fwdflat: bool = False
     """PocketSphinx's second, flat-lexicon search at the end of each utterance. Off by default: it adds
     ~50 ms to `end_utt` (on the first-audio path) for no measured gain in word error rate here."""
 
+    initial_cmn: str = SPEECH_CMN
+    """Every utterance's starting cepstral mean (13 comma-separated numbers)."""
     max_hmms_per_frame: int = 3000
     """PocketSphinx's `maxhmmpf`: the search keeps at most this many active HMMs per frame. Its own default
     (30000) costs ~0.2 s of CPU per second of speech; 3000 about 0.12 s at the same word error rate on
@@ -47,6 +66,10 @@ class DecoderOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.is_fwdflat, bool):
             raise ValueError(f"DecoderOptions.is_fwdflat: must be a bool, got {self.is_fwdflat!r}")
+        parts = self.initial_cmn.split(",") if isinstance(self.initial_cmn, str) else []
+        if len(parts) != 13 or not all(_is_number(p) for p in parts):
+            raise ValueError(f"DecoderOptions.initial_cmn: must be 13 comma-separated numbers, "
+                             f"got {self.initial_cmn!r}")
         value = self.max_hmms_per_frame
         if isinstance(value, bool) or not isinstance(value, int) or value < 100:
             raise ValueError(f"DecoderOptions.max_hmms_per_frame: must be an integer >= 100, got {value!r}")
@@ -112,7 +135,7 @@ class DecoderPool:
         self.num_decoders = num_decoders
         self.load_s = time.monotonic() - started
         """Seconds it took to build and warm the whole pool."""
-        self._initial_cmn = decoders[0].get_cmn(False)
+        self._initial_cmn = self.options.initial_cmn
         self._free = [SphinxRecognizer(decoder, self._initial_cmn) for decoder in decoders]
 
     def _build(self) -> Decoder:

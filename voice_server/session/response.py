@@ -60,6 +60,8 @@ class ResponseRun:
         large heap runs rarely: +8.5 MB/min over a 10-minute soak."""
         self.partial_sent = ""
         """The live transcript the client has been sent (deltas only ever extend it)."""
+        self.last_partial = ""
+        """The recogniser's latest partial hypothesis, revisions included."""
         self.timings_ms: dict[str, float] = {}
         self.usage: dict[str, int] = {}
         """`num_prompt_tokens`, `num_cached_tokens`, `num_output_tokens`, from the final outputs that carry them,
@@ -172,6 +174,8 @@ class ResponseRun:
 
     async def _on_transcript(self, payload: dict[str, Any], arrived_at: float) -> None:
         partial, final = payload.get("input_transcript_partial"), payload.get("input_transcript")
+        if isinstance(partial, str):
+            self.last_partial = partial
         if isinstance(partial, str) and partial.startswith(self.partial_sent) and partial != self.partial_sent:
             # NOTE: a recogniser revises its hypothesis; deltas are append-only, so a revision waits
             # for the final transcript (which replaces the deltas) or for the text to grow past it.

@@ -83,7 +83,8 @@ def create_asr(ctx: StageContext) -> AsrRunner:
     log.info("stage %s: building %d PocketSphinx decoders (en-us, fwdflat %s, maxhmmpf %d)", stage.name,
              max_streams, "on" if is_fwdflat else "off", max_hmms)
     try:
-        pool = DecoderPool(max_streams, DecoderOptions(is_fwdflat, max_hmms), stage.name, ctx.progress)
+        options = DecoderOptions(is_fwdflat=is_fwdflat, max_hmms_per_frame=max_hmms)
+        pool = DecoderPool(max_streams, options, stage.name, ctx.progress)
     except RuntimeError as exc:  # NOTE: PocketSphinx's own error for a model it cannot load
         raise ConfigError(f"{where}: cannot build a speech decoder: {exc}") from exc
     log.info("stage %s: %d decoders ready in %.2f s", stage.name, max_streams, pool.load_s)
