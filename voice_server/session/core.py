@@ -14,6 +14,7 @@ keeps a turn's request open while the user speaks and starts responses speculati
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,6 +44,9 @@ from voice_server.session.vad import SpeechStarted as VadStarted
 from voice_server.session.vad import SpeechStopped as VadStopped
 
 __all__ = ["Session"]
+
+TRANSCRIPT_WAIT_S = 1.5
+"""The longest a pause's score waits for the pause's final transcript (a failed request never sends one)."""
 
 
 async def _discard(event: SessionEvent) -> None:
@@ -129,6 +133,14 @@ class Session(StreamedTurns):
 
     async def _on_score(self, token: int, probability: float) -> None:
         """A pause's end-of-turn score (`PauseScorer`), from its task (a stale token is ignored)."""
+        turn = self._turn
+        if turn is not None and turn.is_speculating and turn.run.held_transcript is None:
+            # NOTE: the words rule weighs the pause's final transcript. Under load the recogniser runs
+            # behind the audio, and its last partial ends wherever it got to ("how many legs does a"),
+            # which would hold a finished turn to the maximum silence. Waiting costs no latency: the held
+            # reply cannot be heard before its transcript anyway.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(turn.run.has_held_transcript.wait(), TRANSCRIPT_WAIT_S)
         async with self._turn_lock:
             if not isinstance(self.detector, SemanticTurnDetector):
                 return

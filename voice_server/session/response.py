@@ -86,7 +86,9 @@ class ResponseRun:
         self._released = asyncio.Event()
         self._stamps: dict[str, float] = {}
         self.held_transcript: str | None = None
-        """The final transcript of the audio up to the pause, once a held response has it."""
+        """The final transcript of the audio up to the pause, once a held response has it..."""
+        self.has_held_transcript = asyncio.Event()
+        """...and set then."""
 
     def _since_start_ms(self, at: float) -> float:
         return round(1000.0 * (at - self.started_at), 3)
@@ -127,6 +129,7 @@ class ResponseRun:
                         final = output.payload.get("input_transcript")
                         if isinstance(final, str):
                             self.held_transcript = final  # NOTE: the turn detector weighs these words
+                            self.has_held_transcript.set()
                         self._held.append((output, time.monotonic()))
                     continue
                 self._held.append((output, time.monotonic()))
