@@ -38,8 +38,8 @@ SPEECH_CMN = "58.6,-3.3,-1.1,1.5,-3.2,-3.0,-0.7,4.7,-0.8,-1.6,-0.8,-0.2,0.4"
 sentences at -26, -20 and -14 dBFS, clean and in noise, none from the benchmark's set). The en-us model
 was trained with per-utterance (batch) means; decoding live, PocketSphinx starts from its generic
 `40,3,-1,0,...`, far from speech's, and misrecognises an utterance's first second while the mean
-catches up: word error rate 0.37 from there, 0.21 from this on the turn-taking set
-(`loadtest/bench_asr.py`, docs/BENCHMARKS.md)."""
+catches up: word error rate in noise 0.64 from there, 0.34 from this, clean 0.21 and 0.13, on the
+turn-taking set (`loadtest/bench_asr.py`, docs/BENCHMARKS.md)."""
 
 
 def _is_number(text: str) -> bool:
@@ -59,9 +59,9 @@ class DecoderOptions:
     """Every utterance's starting cepstral mean (13 comma-separated numbers)."""
     max_hmms_per_frame: int = 3000
     """PocketSphinx's `maxhmmpf`: the search keeps at most this many active HMMs per frame. Its own default
-    (30000) costs ~0.2 s of CPU per second of speech; 3000 about 0.12 s at the same word error rate on
-    the turn-taking set (`loadtest/bench_asr.py`, docs/BENCHMARKS.md), so a 2-vCPU host keeps up with
-    twice as many people talking at once."""
+    (30000) costs ~0.24 s of CPU per second of speech; 3000 about 0.12 s, for +0.02 word error rate in
+    noise on the turn-taking set (`loadtest/bench_asr.py`, docs/BENCHMARKS.md), so a 2-vCPU host keeps
+    up with twice as many people talking at once."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.is_fwdflat, bool):

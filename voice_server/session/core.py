@@ -148,7 +148,8 @@ class Session(StreamedTurns):
                 run = self._turn.run
                 # NOTE: both hypotheses: PocketSphinx's final is scored as a whole sentence (its language
                 # model ends it), which turns a dangling "a" or "the" into "it" or "that"; its partial
-                # hypothesis is not, and keeps them more often (3 of 10 hesitations vs 5 of 10 here).
+                # hypothesis is not, and keeps them more often (offline, on the benchmark's 10 hesitations, the
+                # partial ended on the dangling word for 5, the final for 3).
                 if words_suggest_more(run.last_partial) or words_suggest_more(run.held_transcript or ""):
                     probability = min(probability, UNFINISHED_SCORE)
             await self._on_turn_events(self.detector.on_score(token, probability))
