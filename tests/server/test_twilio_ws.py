@@ -161,7 +161,7 @@ def test_malformed_input_closes_with_the_guards_codes_while_another_call_goes_on
         act(bad)
         assert bad.closed_with() == code, name
     good.talk(TURN, until=lambda: calls.of(good, ResponseDone))
-    # NOTE: the server paces the reply at real time (a 0.2 s lead): its last frames follow the done by up to
+    # NOTE: the server paces the reply at real time (a 0.12 s lead): its last frames follow the done by up to
     # the reply's length.
     good.pump(until=time.monotonic() + 1.5)
     [(_, done)] = calls.of(good, ResponseDone)

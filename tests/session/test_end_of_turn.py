@@ -15,10 +15,16 @@ from voice_server.session.end_of_turn import (
     SpeechResumed,
     words_suggest_more,
 )
-from voice_server.session.turn_config import EAGERNESS, TurnDetectionConfig
+from voice_server.session.turn_config import (
+    DEFAULT_MIN_SPEECH_MS,
+    EAGERNESS,
+    SEMANTIC_MIN_SPEECH_MS,
+    TurnDetectionConfig,
+)
 from voice_server.session.vad import SpeechStarted, SpeechStopped
 
-SEMANTIC = TurnDetectionConfig(type="semantic_vad", prefix_padding_ms=96)
+SEMANTIC = TurnDetectionConfig(type="semantic_vad", prefix_padding_ms=96, min_speech_ms=120)
+"""120 ms of speech opens a turn here (four windows; the default is two), so that a start is a run to script."""
 
 
 def run(machine: EndOfTurn, probabilities: list[float]) -> list[tuple[int, object]]:
@@ -48,6 +54,13 @@ def test_a_turn_opens_after_min_speech_with_its_prefix_padding() -> None:
     (index, started), = events
     assert index == 17 and started == SpeechStarted(14 * WINDOW_MS - 96)
     assert machine.phase is Phase.SPEAKING
+
+
+def test_semantic_vad_opens_a_turn_on_two_windows_unless_told_otherwise() -> None:
+    assert EndOfTurn(TurnDetectionConfig(type="semantic_vad")).num_start_windows == 2
+    assert TurnDetectionConfig(type="semantic_vad").min_speech_ms == SEMANTIC_MIN_SPEECH_MS == 64
+    assert TurnDetectionConfig().min_speech_ms == DEFAULT_MIN_SPEECH_MS  # NOTE: server_vad keeps 120 ms
+    assert TurnDetectionConfig.from_openai({"type": "semantic_vad"}) == TurnDetectionConfig(type="semantic_vad")
 
 
 def test_a_short_blip_and_a_flickering_probability_open_nothing() -> None:

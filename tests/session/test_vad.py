@@ -125,7 +125,7 @@ def test_a_click_does_not_start_a_turn_but_min_speech_does() -> None:
     for num_click_ms in (20, 40, 60):
         signal = signal_of(16000, ("noise", 600), ("voice", num_click_ms), ("noise", 1000))
         assert _run(TurnDetector(DEFAULT, 16000), signal) == [], num_click_ms
-    signal = signal_of(16000, ("noise", 600), ("voice", DEFAULT.min_speech_ms), ("noise", 1000))
+    signal = signal_of(16000, ("noise", 600), ("voice", DEFAULT.start_speech_ms), ("noise", 1000))
     _assert_times(_run(TurnDetector(DEFAULT, 16000), signal), [("start", 300), ("stop", 1220)], FRAME_TOLERANCE_MS)
     # A longer minimum counts webrtcvad's longer hangover: 180 ms of speech is refused, 200 ms is a turn.
     config = TurnDetectionConfig(min_speech_ms=200)

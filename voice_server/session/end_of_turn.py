@@ -93,7 +93,7 @@ class EndOfTurn:
     def __init__(self, config: TurnDetectionConfig) -> None:
         self.config = config
         self.rules = config.rules
-        self.num_start_windows = max(1, math.ceil(config.min_speech_ms / WINDOW_MS))
+        self.num_start_windows = max(1, math.ceil(config.start_speech_ms / WINDOW_MS))
         self.num_pause_windows = PAUSE_MS // WINDOW_MS
         self.num_resume_windows = RESUME_MS // WINDOW_MS
         self.phase = Phase.IDLE

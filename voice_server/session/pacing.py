@@ -24,9 +24,9 @@ __all__ = ["DEFAULT_LEAD_S", "Pacer"]
 
 M = TypeVar("M")
 
-DEFAULT_LEAD_S = 0.2
-"""Audio a client holds ahead: enough for a network's jitter on a good line, short enough that a held reply
-goes quiet in a fifth of a second."""
+DEFAULT_LEAD_S = 0.12
+"""Audio a client holds ahead: enough for a network's jitter on a good line, short enough that a reply held
+at a barge-in's onset goes quiet within 300 ms of the first word (onset ~80 ms + this + one piece)."""
 
 
 async def _discard(message: object) -> None:

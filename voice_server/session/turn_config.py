@@ -18,13 +18,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_MIN_SPEECH_MS", "EAGERNESS", "Eagerness", "TurnDetectionConfig"]
+__all__ = ["DEFAULT_MIN_SPEECH_MS", "EAGERNESS", "SEMANTIC_MIN_SPEECH_MS", "Eagerness", "TurnDetectionConfig"]
 
 # NOTE: not an OpenAI field; 120 ms rejects clicks, coughs' onsets and keyboard taps (tens of ms, which
 # webrtcvad flags as voiced for a frame or two) while the shortest real barge-ins ("no", "wait") last
 # 150-300 ms. Each extra millisecond here is a millisecond of barge-in latency: a turn cannot start
 # before ``min_speech_ms`` of speech has been heard.
 DEFAULT_MIN_SPEECH_MS = 120
+# NOTE: `semantic_vad`'s Silero opened no turn on a cough or a noise burst even at two windows (0 of 20
+# each paused a reply, loadtest/bench_turntaking.py), so its turns open on two 32 ms windows: a reply
+# spoken over pauses 64 ms sooner (barge-in stop p50 142 -> 82 ms on /ws).
+SEMANTIC_MIN_SPEECH_MS = 64
 # NOTE: server-side bounds (OpenAI documents none) so that the audio a session keeps for the prefix and
 # the wait before a turn ends stay bounded whatever a client sends.
 MAX_PREFIX_PADDING_MS = 5_000
@@ -94,7 +98,8 @@ class TurnDetectionConfig:
     threshold: float = 0.5
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
-    min_speech_ms: int = DEFAULT_MIN_SPEECH_MS
+    min_speech_ms: int | None = None
+    """None: the type's own, `DEFAULT_MIN_SPEECH_MS` (server_vad) or `SEMANTIC_MIN_SPEECH_MS`."""
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
@@ -104,6 +109,12 @@ class TurnDetectionConfig:
     @property
     def is_semantic(self) -> bool:
         return self.type == "semantic_vad"
+
+    @property
+    def start_speech_ms(self) -> int:
+        """Speech that opens a turn (`min_speech_ms`, filled in on construction)."""
+        assert isinstance(self.min_speech_ms, int)
+        return self.min_speech_ms
 
     @property
     def rules(self) -> Eagerness:
@@ -126,6 +137,9 @@ class TurnDetectionConfig:
         object.__setattr__(self, "threshold", float(threshold))
         _check_ms("prefix_padding_ms", self.prefix_padding_ms, 0, MAX_PREFIX_PADDING_MS)
         _check_ms("silence_duration_ms", self.silence_duration_ms, 0, MAX_SILENCE_DURATION_MS)
+        if self.min_speech_ms is None:
+            object.__setattr__(self, "min_speech_ms",
+                               SEMANTIC_MIN_SPEECH_MS if self.is_semantic else DEFAULT_MIN_SPEECH_MS)
         _check_ms("min_speech_ms", self.min_speech_ms, 0, MAX_MIN_SPEECH_MS)
         for field in ("create_response", "interrupt_response"):
             value = getattr(self, field)
@@ -135,7 +149,7 @@ class TurnDetectionConfig:
             _check_ms("idle_timeout_ms", self.idle_timeout_ms, 1, MAX_IDLE_TIMEOUT_MS)
 
     @classmethod
-    def from_openai(cls, d: Mapping[str, Any], *, min_speech_ms: int = DEFAULT_MIN_SPEECH_MS) -> TurnDetectionConfig:
+    def from_openai(cls, d: Mapping[str, Any], *, min_speech_ms: int | None = None) -> TurnDetectionConfig:
         """The config of an OpenAI ``turn_detection`` object (``server_vad`` or ``semantic_vad``); absent
         keys keep defaults.
 

@@ -139,7 +139,7 @@ class TurnDetector:
         self.config = config
         self.input_rate = input_rate
         self.vad_mode = vad_mode(config.threshold)
-        num_min_speech = math.ceil(config.min_speech_ms / FRAME_MS)
+        num_min_speech = math.ceil(config.start_speech_ms / FRAME_MS)
         # NOTE: one flag more than the longest speech to reject (num_min_speech - 1 frames) can produce
         # with its hangover; min_speech_ms 0 rejects nothing: the first voiced frame starts a turn.
         self.num_start_frames = _num_flagged(num_min_speech - 1, self.vad_mode) + 1 if num_min_speech else 1

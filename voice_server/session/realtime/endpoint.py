@@ -85,7 +85,7 @@ def choose_subprotocol(offered: Iterable[str]) -> str | None:
     return next((name for name in SUBPROTOCOLS if name in names), None)
 
 
-PIECE_S = 0.1
+PIECE_S = 0.04
 """Audio deltas are cut to this length, so that pacing (and a flush) works at this grain."""
 AUDIO_DELTA = "response.output_audio.delta"
 
