@@ -22,10 +22,11 @@ from speech_text import transcribe, word_error_rate  # noqa: E402
 from talker_checks import emitted_pcm, run, stream_items  # noqa: E402
 from talker_checks import stage_ctx as talker_ctx  # noqa: E402
 
+from voice_server.audio import frame_levels_db  # noqa: E402
 from voice_server.config import load_pipeline  # noqa: E402
 from voice_server.config.errors import ConfigError  # noqa: E402
 from voice_server.engine.runtime import StageContext  # noqa: E402
-from voice_server.runners.speech_edges import EdgeRules, frame_levels_db  # noqa: E402
+from voice_server.runners.speech_edges import EdgeRules  # noqa: E402
 from voice_server.runners.synthesizers import PIPER_RATE, PiperSynthesizer  # noqa: E402
 from voice_server.runners.tts_runner import TTSRunner, TTSRunnerConfig  # noqa: E402
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, SimpleBatch, WorkItem, WorkKind  # noqa: E402

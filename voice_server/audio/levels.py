@@ -29,11 +29,11 @@ def _as_float(samples: Samples) -> npt.NDArray[np.float64]:
     return np.asarray(samples, dtype=np.float64).reshape(-1) / scale
 
 
-def frame_levels_db(samples: Samples, rate: int) -> npt.NDArray[np.float64]:
-    """RMS level (dBFS) of each 10 ms frame (int16 or float32 mono); a partial last frame is a frame of
-    its own, its mean taken over its real samples so that a loud ending is not diluted."""
+def frame_levels_db(samples: Samples, rate: int, frame_ms: int = FRAME_MS) -> npt.NDArray[np.float64]:
+    """RMS level (dBFS) of each `frame_ms` frame (int16 or float32 mono); a partial last frame is a frame
+    of its own, its mean taken over its real samples so that a loud ending is not diluted."""
     pcm = _as_float(samples)
-    frame_len = rate * FRAME_MS // 1000
+    frame_len = rate * frame_ms // 1000
     num_frames = -(-pcm.size // frame_len)
     padded = np.zeros(num_frames * frame_len, np.float64)
     padded[: pcm.size] = pcm

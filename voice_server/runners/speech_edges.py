@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from voice_server.audio.levels import FRAME_MS, frame_levels_db
 
-__all__ = ["EdgeRules", "audible_span", "frame_levels_db", "join_sentences", "pause_after", "trim_edges"]
+__all__ = ["EdgeRules", "audible_span", "join_sentences", "pause_after", "trim_edges"]
 _SENTENCE_ENDS = frozenset(".!?…")
 _CLOSERS = "\"'”’)]}*_`"
 

@@ -38,6 +38,8 @@ import numpy.typing as npt
 import onnxruntime as ort
 from numpy.lib.stride_tricks import sliding_window_view
 
+from voice_server.audio import frame_levels_db
+
 __all__ = ["SILERO_FILE", "SMART_TURN_FILE", "SileroVad", "SmartTurnModel", "load_silero_session",
            "pipecat_data_file", "whisper_log_mel"]
 
@@ -196,8 +198,7 @@ class SileroVad:
         pending = np.concatenate([self._pending, np.asarray(audio16k, dtype=np.float32).reshape(-1)])
         num_windows = len(pending) // self.WINDOW
         windows = pending[: num_windows * self.WINDOW].reshape(num_windows, self.WINDOW)
-        power = (windows.astype(np.float64) ** 2).mean(axis=1)
-        levels = 10.0 * np.log10(np.maximum(power, 1e-20))
+        levels = frame_levels_db(windows.reshape(-1), SAMPLE_RATE, self.WINDOW * 1000 // SAMPLE_RATE)
         out = [(self._score(window), float(level)) for window, level in zip(windows, levels, strict=True)]
         self._pending = pending[num_windows * self.WINDOW:].copy()
         return out
