@@ -246,3 +246,27 @@ def test_every_lent_decoder_starts_from_the_speech_cepstral_mean(pool: DecoderPo
         [float(v) for v in SPEECH_CMN.split(",")], abs=0.01)
     again.finish()
     pool.give_back(again, is_in_utterance=False)
+
+
+def test_a_streamed_turns_confident_words_drop_what_noise_made_up(runner: AsrRunner) -> None:
+    """The final's `input_transcript_confident` (what the session confirms an interruption on) keeps a clear
+    sentence whole and drops words that PocketSphinx makes up from noise (its lattice posteriors)."""
+    noise = np.random.default_rng(0)
+    results: dict[str, list[tuple[str, str]]] = {"clean": [], "noisy": []}
+    for index, text in enumerate(SENTENCES):
+        clean = speech(text, silence_s=0.1)
+        level = float(np.sqrt(np.mean(clean[np.abs(clean) > 0.01] ** 2)))
+        noisy = clean + noise.normal(0.0, level / 10 ** (5 / 20), clean.size).astype(np.float32)  # 5 dB SNR
+        for kind, audio in (("clean", clean), ("noisy", noisy)):
+            rid = f"{kind}{index}"
+            pieces = chunks(audio, 20)
+            run(runner, [new_stream(rid), *(chunk(rid, seq, piece) for seq, piece in enumerate(pieces))])
+            [final] = run(runner, [done(rid, len(pieces))])
+            results[kind].append((final.payload["input_transcript"], final.payload["input_transcript_confident"]))
+    print(results)
+    for transcript, confident in results["clean"] + results["noisy"]:
+        words = iter(transcript.split())
+        assert all(word in words for word in confident.split()), (transcript, confident)  # in order, a subset
+    num_words = {kind: [(len(t.split()), len(c.split())) for t, c in pairs] for kind, pairs in results.items()}
+    assert all(c >= 0.8 * t for t, c in num_words["clean"]), results["clean"]
+    assert sum(c for _, c in num_words["noisy"]) < sum(t for t, _ in num_words["noisy"]), results["noisy"]

@@ -32,6 +32,15 @@ def test_the_verdict(speech_ms: int, words: str, silence_ms: int, after_s: float
                  now=PENDING.started_at + after_s) is verdict
 
 
+def test_a_silence_waits_for_the_words_on_their_way_but_not_past_max_wait() -> None:
+    """A pause's final transcript is what confirms by words: a silence does not dismiss before it is in."""
+    at = PENDING.started_at
+    assert judge(PENDING, RULES, speech_ms=300, words="", silence_ms=300, now=at + 0.6, is_words_pending=True) is None
+    assert judge(PENDING, RULES, speech_ms=300, words="wait stop", silence_ms=320, now=at + 0.62) is Verdict.CONFIRMED
+    assert judge(PENDING, RULES, speech_ms=300, words="", silence_ms=700, now=at + 1.0,
+                 is_words_pending=True) is Verdict.DISMISSED
+
+
 @pytest.mark.parametrize("kwargs", [{"min_words": 0}, {"min_speech_ms": -1}, {"max_wait_ms": 50.0}])
 def test_rules_are_validated(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="InterruptionRules"):

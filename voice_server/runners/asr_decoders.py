@@ -42,6 +42,13 @@ catches up: word error rate in noise 0.64 from there, 0.34 from this, clean 0.21
 turn-taking set (`loadtest/bench_asr.py`, docs/BENCHMARKS.md)."""
 
 
+MIN_WORD_POSTERIOR = 0.05
+"""A word of the final hypothesis at least this probable (its lattice posterior) is one the recogniser is
+sure of. Measured on the turn-taking set's backchannels and barge-ins: the words PocketSphinx makes of
+"uh huh" or "right" ("at hand", "rates", "rights") come out at 0.006-0.043, a real barge-in's words at
+0.06-1.0 (a short "wait" heard as "we'd": 0.06-0.14)."""
+
+
 def _is_number(text: str) -> bool:
     try:
         return math.isfinite(float(text))
@@ -112,6 +119,13 @@ class SphinxRecognizer:
     def finish(self) -> str:
         self.decoder.end_utt()
         return self.partial()
+
+    def confident_text(self) -> str:
+        # NOTE: `seg` after `end_utt` walks the best path of the lattice, each word with its posterior;
+        # fillers (<s>, <sil>, [NOISE]) are not words, and "to(2)" is the dictionary's second "to".
+        words = (seg.word.split("(")[0] for seg in self.decoder.seg()
+                 if seg.prob >= MIN_WORD_POSTERIOR and not seg.word.startswith(("<", "[")))
+        return " ".join(words)
 
 
 class DecoderPool:

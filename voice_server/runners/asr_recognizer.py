@@ -26,6 +26,10 @@ class Recognizer(Protocol):
     def finish(self) -> str:
         """End the utterance and return its transcript ("" when nothing was recognised)."""
 
+    def confident_text(self) -> str | None:
+        """The words of the last finished utterance that the recogniser is sure of, in order, or None for
+        an engine that gives no confidences (all its words count)."""
+
 
 class RecognizerPool(Protocol):
     """Recognisers built before the stage reports ready; `acquire` lends a free one (None when all are lent)."""

@@ -14,7 +14,9 @@ A streamed turn (`submit(..., stream_input=True)`, the user's audio while they s
   the whole turn so far changes (it may revise earlier words; at most one per request per batch); Whisper
   gives no partials;
 - DONE (the user's turn ended): RESULT `{"input_transcript": text, "messages": history + [{"role":
-  "user", "content": text}]}` (`text` may be empty: nothing was recognised).
+  "user", "content": text}]}` (`text` may be empty: nothing was recognised), and with PocketSphinx
+  `"input_transcript_confident"`: the words of `text` it is sure of (the session confirms an interruption
+  only on those).
 
 A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and no or empty `content`)
 is transcribed on its own and becomes `{"role": "user", "content": transcript}`; RESULT `{"input_transcript":
@@ -164,7 +166,11 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             return None
         text = self._end_utterance(request)
         messages = [*request.messages, {"role": "user", "content": text}]
-        return Emit(item.request_id, EmitKind.RESULT, {"input_transcript": text, "messages": messages})
+        payload: dict[str, Any] = {"input_transcript": text, "messages": messages}
+        confident = request.recognizer.confident_text()
+        if confident is not None:
+            payload["input_transcript_confident"] = confident
+        return Emit(item.request_id, EmitKind.RESULT, payload)
 
     def _transcribe_messages(
         self, admitted: list[dict[str, Any]], request: _Request,

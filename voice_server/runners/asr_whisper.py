@@ -92,6 +92,9 @@ class WhisperRecognizer:
     def partial(self) -> None:
         return None  # NOTE: a partial would mean transcribing the turn again for every chunk (~0.3 s each)
 
+    def confident_text(self) -> None:
+        return None  # NOTE: transcribed without word timestamps, so without word probabilities
+
     def finish(self) -> str:
         pcm = b"".join(self._pieces)
         self._pieces.clear()

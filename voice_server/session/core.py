@@ -83,9 +83,10 @@ class Session(StreamedTurns):
             if isinstance(event, VadStarted):
                 await self._on_speech_started(event)
             elif isinstance(event, SilenceStarted):
-                if self.interruption is not None:
-                    continue  # NOTE: judged as speech over a reply (`_judge`), not as a turn's end
-                self._scorer.score(detector, event.token, self.input.peek(self._turn_start_ms), self._on_score)
+                if self.interruption is None:
+                    self._scorer.score(detector, event.token, self.input.peek(self._turn_start_ms), self._on_score)
+                # NOTE: over a reply, the pause is not scored as a turn's end (`_judge` decides first), but
+                # its final transcript is what the judge weighs: the recogniser's confidence in each word.
                 self._speculate()
             elif isinstance(event, SpeechResumed):
                 self._scorer.cancel()
@@ -111,11 +112,14 @@ class Session(StreamedTurns):
 
     async def _judge(self) -> None:
         """Confirm or dismiss the speech over a paused reply (`interruptions.py`)."""
-        pending, detector = self.interruption, self.detector
+        pending, detector, turn = self.interruption, self.detector, self._turn
         assert pending is not None and isinstance(detector, SemanticTurnDetector)
-        words = self._turn.run.partial_sent if self._turn is not None else ""
+        # NOTE: only the pause's final transcript, and only the words the recogniser is sure of: partial
+        # hypotheses carry no confidence, and PocketSphinx hears "uh huh" as "at hand" or "fat half".
+        words = turn.run.held_confident if turn is not None else ""
+        is_words_pending = turn is not None and turn.is_speculating and turn.run.held_transcript is None
         verdict = judge(pending, self.interruption_rules, speech_ms=detector.speech_ms, words=words,
-                        silence_ms=detector.silence_ms, now=time.monotonic())
+                        silence_ms=detector.silence_ms, now=time.monotonic(), is_words_pending=is_words_pending)
         if verdict is Verdict.CONFIRMED:
             await self._confirm()
             if detector.machine.phase is Phase.PAUSED:
@@ -128,6 +132,8 @@ class Session(StreamedTurns):
             await self._dismiss()
             # NOTE: the speech was not a turn: its request goes, the detector forgets it, nothing is committed.
             self._scorer.cancel()
+            if turn is not None and turn.is_speculating:
+                self.num_discarded_speculations += 1
             self._drop_turn()
             detector.reset()
 

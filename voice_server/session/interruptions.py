@@ -6,10 +6,11 @@ laugh. A voice agent that stops for each of these feels broken (peers' users' to
 never stops feels deaf. So speech over a reply pauses it at once and is then judged:
 
 - confirmed, the reply is cut: `min_words` recognised words that are not backchannels (where the
-  pipeline transcribes while the user speaks), or `min_speech_ms` of speech (VAD windows);
+  pipeline transcribes while the user speaks: the final transcript at the speaker's first pause, only
+  the words the recogniser is sure of), or `min_speech_ms` of speech (VAD windows);
 - dismissed, the reply resumes: the speaker fell silent first, for `dismiss_silence_ms` (a backchannel is
-  short; "Sorry, can you..." pauses at its comma and goes on), or nothing was confirmed within
-  `max_wait_ms` of the onset.
+  short; "Sorry, can you..." pauses at its comma and goes on) and the pause's words are in, or nothing
+  was confirmed within `max_wait_ms` of the onset.
 """
 
 from __future__ import annotations
@@ -70,11 +71,14 @@ def num_content_words(transcript: str) -> int:
 
 
 def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, words: str, silence_ms: int,
-          now: float) -> Verdict | None:
+          now: float, is_words_pending: bool = False) -> Verdict | None:
     """The verdict on `pending` so far (`silence_ms`: how long the speaker has been silent, 0 while they
-    speak), or None while it is still open."""
+    speak; `is_words_pending`: the recogniser is still transcribing up to the pause), or None while it
+    is still open."""
     if num_content_words(words) >= rules.min_words or speech_ms >= rules.min_speech_ms:
         return Verdict.CONFIRMED
-    if silence_ms >= rules.dismiss_silence_ms or (now - pending.started_at) * 1000.0 >= rules.max_wait_ms:
+    if (now - pending.started_at) * 1000.0 >= rules.max_wait_ms:
+        return Verdict.DISMISSED
+    if silence_ms >= rules.dismiss_silence_ms and not is_words_pending:
         return Verdict.DISMISSED
     return None

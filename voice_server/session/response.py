@@ -87,6 +87,8 @@ class ResponseRun:
         self._stamps: dict[str, float] = {}
         self.held_transcript: str | None = None
         """The final transcript of the audio up to the pause, once a held response has it..."""
+        self.held_confident = ""
+        """...its words that the recogniser is sure of (all of them where it gives no confidences)..."""
         self.has_held_transcript = asyncio.Event()
         """...and set then."""
 
@@ -128,7 +130,10 @@ class ResponseRun:
                     else:
                         final = output.payload.get("input_transcript")
                         if isinstance(final, str):
-                            self.held_transcript = final  # NOTE: the turn detector weighs these words
+                            # NOTE: the turn detector and the interruption judge weigh these words
+                            confident = output.payload.get("input_transcript_confident", final)
+                            self.held_transcript = final
+                            self.held_confident = confident if isinstance(confident, str) else ""
                             self.has_held_transcript.set()
                         self._held.append((output, time.monotonic()))
                     continue
