@@ -270,3 +270,27 @@ def test_a_streamed_turns_confident_words_drop_what_noise_made_up(runner: AsrRun
     num_words = {kind: [(len(t.split()), len(c.split())) for t, c in pairs] for kind, pairs in results.items()}
     assert all(c >= 0.8 * t for t, c in num_words["clean"]), results["clean"]
     assert sum(c for _, c in num_words["noisy"]) < sum(t for t, _ in num_words["noisy"]), results["noisy"]
+
+
+def test_an_unsure_last_word_comes_with_the_alternatives_that_the_end_of_turn_rule_reads(runner: AsrRunner) -> None:
+    """Where the final's last word is unsure, `input_transcript_alternatives` carries the n-best: the words
+    before a hesitation's pause ("book a,") come out as "book it" in the final, "book a" among the
+    alternatives, so the session's end-of-turn rule sees them; no complete sentence is flagged so."""
+    from voice_server.session.end_of_turn import hypotheses_suggest_more
+
+    halves = ("I would like to book a,", "Can you tell me the,", "I am looking for a,", "Could you help me find a,",
+              "I need to buy some milk and,", "Please remind me to call my,", "I want to know the name of,")
+    complete = (*SENTENCES, "What is the capital of France?", "Okay.", "Yeah.", "Thank you.")
+    flagged = {}
+    for index, text in enumerate((*halves, *complete)):
+        rid = f"t{index}"
+        pieces = chunks(speech(text, silence_s=0.1), 20)
+        run(runner, [new_stream(rid), *(chunk(rid, seq, piece) for seq, piece in enumerate(pieces))])
+        [final] = run(runner, [done(rid, len(pieces))])
+        alternatives = final.payload.get("input_transcript_alternatives", [])
+        assert isinstance(alternatives, list) and final.payload["input_transcript"] not in alternatives
+        hypotheses = [final.payload["input_transcript"], *alternatives]
+        flagged[text] = (hypotheses_suggest_more(hypotheses[0], "", alternatives), hypotheses[:4])
+    print(flagged)
+    assert sum(flagged[text][0] for text in halves) >= 5, flagged
+    assert not any(flagged[text][0] for text in complete), flagged

@@ -13,6 +13,7 @@ from voice_server.session.end_of_turn import (
     Phase,
     SilenceStarted,
     SpeechResumed,
+    hypotheses_suggest_more,
     words_suggest_more,
 )
 from voice_server.session.turn_config import (
@@ -168,3 +169,15 @@ def test_semantic_vad_config_is_openais() -> None:
     ("thank you", False), ("Because.", True)])
 def test_words_that_cannot_end_a_sentence_hold_the_turn_open(words: str, is_more: bool) -> None:
     assert words_suggest_more(words) is is_more
+
+
+@pytest.mark.parametrize(("final", "partial", "alternatives", "is_more"), [
+    ("i would like to book it", "", ["i would like to cook it", "i would like to book a"], True),  # an alternative
+    ("can you tell me that", "can you tell me the", [], True),  # the partial kept the dangling word
+    ("i want to know the name", "", ["i want to know the name of"], True),  # longer than a 5-word final: counts
+    ("yeah", "", ["yeah and", "yan"], False),  # a short answer's alternatives add a word: ignored
+    ("okay", "", ["ok", "okay a"], False),
+    ("what is the capital of france", "what is the capital of france", ["what is the capital of friends"], False),
+    ("i need to buy some milk and", "", [], True)])
+def test_every_hypothesis_of_the_turn_is_read(final: str, partial: str, alternatives: list[str], is_more: bool) -> None:
+    assert hypotheses_suggest_more(final, partial, alternatives) is is_more

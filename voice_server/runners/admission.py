@@ -1,8 +1,8 @@
 """Checking and converting an AR stage's request input into token ids (the runner's `admit`).
 
 NEW payloads: `{"messages": [{"role", "content"}, ...]}` (chat template with generation prompt;
-`input_transcript` and `input_transcript_confident` beside them, from the asr stage, are ignored; a
-conversation too long for the model loses its oldest turns, see `fit_messages`),
+the `input_transcript*` fields beside them, from the asr stage, are ignored; a conversation too long for
+the model loses its oldest turns, see `fit_messages`),
 `{"prompt": str}` or `{"token_ids": [int, ...]}`; an empty payload only for a streamed request
 (its input arrives as CHUNKs). CHUNK payloads: `{"text": str}` or `{"token_ids": [...]}`.
 Every refusal is an `AdmissionError` naming the offending field.
@@ -23,7 +23,7 @@ MAX_MESSAGES = 256
 """Messages a prompt keeps at most (the newest; a leading system message stays)."""
 MAX_PAYLOAD_MESSAGES = 4096
 """Messages a payload may bring at all (a guard on the work of checking it)."""
-_TRANSCRIPT_KEYS = ("input_transcript", "input_transcript_confident")
+_TRANSCRIPT_KEYS = ("input_transcript", "input_transcript_confident", "input_transcript_alternatives")
 """What a transcribing stage before this one (asr) adds to its `messages` result for the client; the
 messages already end with that text, so it is ignored here."""
 _MAX_CHARS_PER_TOKEN = 32

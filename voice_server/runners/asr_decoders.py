@@ -13,6 +13,7 @@ The models are the en-us acoustic model, `en-us.lm.bin` and `cmudict-en-us.dict`
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -47,6 +48,16 @@ MIN_WORD_POSTERIOR = 0.05
 sure of. Measured on the turn-taking set's backchannels and barge-ins: the words PocketSphinx makes of
 "uh huh" or "right" ("at hand", "rates", "rights") come out at 0.006-0.043, a real barge-in's words at
 0.06-1.0 (a short "wait" heard as "we'd": 0.06-0.14)."""
+
+
+UNSURE_LAST_WORD_POSTERIOR = 0.6
+"""A final hypothesis whose last word is less probable than this comes with its alternatives: the word
+a sentence ends on is the one the end-of-turn rule reads, and PocketSphinx's language model, which scores
+the utterance as a whole sentence, turns a hesitation's dangling "a" or "the" into "it" or "that" (at
+0.25-0.53 on the turn-taking set's hesitations; a complete question's last word: 0.08-0.99, the
+alternatives of none of them ending where a sentence cannot)."""
+NUM_ALTERNATIVES = 10
+"""N-best hypotheses looked at (~0.1-1.3 ms)."""
 
 
 def _is_number(text: str) -> bool:
@@ -101,6 +112,8 @@ class SphinxRecognizer:
     def __init__(self, decoder: Decoder, initial_cmn: str) -> None:
         self.decoder = decoder
         self._initial_cmn = initial_cmn
+        self._confident = ""
+        self._alternatives: list[str] = []
 
     def start(self) -> None:
         # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next;
@@ -118,14 +131,24 @@ class SphinxRecognizer:
 
     def finish(self) -> str:
         self.decoder.end_utt()
-        return self.partial()
+        text = self.partial()
+        # NOTE: `seg` after `end_utt` walks the best path of the lattice, each word with its posterior
+        # (1-13 ms); fillers (<s>, <sil>, [NOISE]) are not words, and "to(2)" is the dictionary's second "to".
+        words = [(seg.word.split("(")[0], seg.prob) for seg in self.decoder.seg() or ()  # NOTE: None: no audio
+                 if not seg.word.startswith(("<", "["))]
+        self._confident = " ".join(word for word, prob in words if prob >= MIN_WORD_POSTERIOR)
+        self._alternatives = []
+        if words and words[-1][1] < UNSURE_LAST_WORD_POSTERIOR:
+            hypotheses = (hyp.hypstr for hyp in itertools.islice(self.decoder.nbest() or (), NUM_ALTERNATIVES + 1)
+                          if hyp is not None)  # NOTE: its iterator can yield None
+            self._alternatives = [h for h in dict.fromkeys(hypotheses) if h != text][:NUM_ALTERNATIVES]
+        return text
 
     def confident_text(self) -> str:
-        # NOTE: `seg` after `end_utt` walks the best path of the lattice, each word with its posterior;
-        # fillers (<s>, <sil>, [NOISE]) are not words, and "to(2)" is the dictionary's second "to".
-        words = (seg.word.split("(")[0] for seg in self.decoder.seg()
-                 if seg.prob >= MIN_WORD_POSTERIOR and not seg.word.startswith(("<", "[")))
-        return " ".join(words)
+        return self._confident
+
+    def alternatives(self) -> list[str]:
+        return self._alternatives
 
 
 class DecoderPool:

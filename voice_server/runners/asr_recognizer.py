@@ -30,6 +30,10 @@ class Recognizer(Protocol):
         """The words of the last finished utterance that the recogniser is sure of, in order, or None for
         an engine that gives no confidences (all its words count)."""
 
+    def alternatives(self) -> list[str]:
+        """Other hypotheses of the last finished utterance, most likely first, where its last word is
+        unsure (else, and for an engine that gives none, empty)."""
+
 
 class RecognizerPool(Protocol):
     """Recognisers built before the stage reports ready; `acquire` lends a free one (None when all are lent)."""

@@ -16,7 +16,8 @@ A streamed turn (`submit(..., stream_input=True)`, the user's audio while they s
 - DONE (the user's turn ended): RESULT `{"input_transcript": text, "messages": history + [{"role":
   "user", "content": text}]}` (`text` may be empty: nothing was recognised), and with PocketSphinx
   `"input_transcript_confident"`: the words of `text` it is sure of (the session confirms an interruption
-  only on those).
+  only on those), and where the last word is unsure `"input_transcript_alternatives"`: its other
+  hypotheses, most likely first (the session's end-of-turn rule reads their last words too).
 
 A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and no or empty `content`)
 is transcribed on its own and becomes `{"role": "user", "content": transcript}`; RESULT `{"input_transcript":
@@ -167,9 +168,11 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
         text = self._end_utterance(request)
         messages = [*request.messages, {"role": "user", "content": text}]
         payload: dict[str, Any] = {"input_transcript": text, "messages": messages}
-        confident = request.recognizer.confident_text()
+        confident, alternatives = request.recognizer.confident_text(), request.recognizer.alternatives()
         if confident is not None:
             payload["input_transcript_confident"] = confident
+        if alternatives:
+            payload["input_transcript_alternatives"] = alternatives
         return Emit(item.request_id, EmitKind.RESULT, payload)
 
     def _transcribe_messages(

@@ -95,6 +95,9 @@ class WhisperRecognizer:
     def confident_text(self) -> None:
         return None  # NOTE: transcribed without word timestamps, so without word probabilities
 
+    def alternatives(self) -> list[str]:
+        return []  # NOTE: one beam's result is kept; its transcripts keep a dangling word anyway
+
     def finish(self) -> str:
         pcm = b"".join(self._pieces)
         self._pieces.clear()

@@ -26,7 +26,7 @@ from voice_server.audio import StreamResampler
 from voice_server.session.config import SessionConfig
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
 from voice_server.session.detectors import PauseScorer, make_detector
-from voice_server.session.end_of_turn import UNFINISHED_SCORE, Phase, words_suggest_more
+from voice_server.session.end_of_turn import UNFINISHED_SCORE, Phase, hypotheses_suggest_more
 from voice_server.session.events import (
     InputCommitted,
     ItemTruncated,
@@ -152,11 +152,7 @@ class Session(StreamedTurns):
                 return
             if self._turn is not None:
                 run = self._turn.run
-                # NOTE: both hypotheses: PocketSphinx's final is scored as a whole sentence (its language
-                # model ends it), which turns a dangling "a" or "the" into "it" or "that"; its partial
-                # hypothesis is not, and keeps them more often (offline, on the benchmark's 10 hesitations, the
-                # partial ended on the dangling word for 5, the final for 3).
-                if words_suggest_more(run.last_partial) or words_suggest_more(run.held_transcript or ""):
+                if hypotheses_suggest_more(run.held_transcript or "", run.last_partial, run.held_alternatives):
                     probability = min(probability, UNFINISHED_SCORE)
             await self._on_turn_events(self.detector.on_score(token, probability))
 

@@ -89,6 +89,8 @@ class ResponseRun:
         """The final transcript of the audio up to the pause, once a held response has it..."""
         self.held_confident = ""
         """...its words that the recogniser is sure of (all of them where it gives no confidences)..."""
+        self.held_alternatives: list[str] = []
+        """...the recogniser's other hypotheses where it is unsure of the last word..."""
         self.has_held_transcript = asyncio.Event()
         """...and set then."""
 
@@ -132,8 +134,11 @@ class ResponseRun:
                         if isinstance(final, str):
                             # NOTE: the turn detector and the interruption judge weigh these words
                             confident = output.payload.get("input_transcript_confident", final)
+                            alternatives = output.payload.get("input_transcript_alternatives", [])
                             self.held_transcript = final
                             self.held_confident = confident if isinstance(confident, str) else ""
+                            self.held_alternatives = [a for a in alternatives if isinstance(a, str)] if isinstance(
+                                alternatives, list) else []
                             self.has_held_transcript.set()
                         self._held.append((output, time.monotonic()))
                     continue
