@@ -319,6 +319,11 @@ def details(tracks: list[Track]) -> list[str]:
                 value = latency_ms(track, u)
                 result = "no reply" if value is None else f"latency {value:.0f} ms" + (
                     ", premature" if u.item.category == "hesitation" and is_premature(track, u) else "")
+                onset = onset_after(heard, u.speech_start_at)
+                key = None if onset is None else key_at(heard, onset + 0.005)
+                if key in track.timings_ms:
+                    # NOTE: the server's stage times, ms after the commit (a speculative start is negative)
+                    result += "; server " + " ".join(f"{stage} {ms:.0f}" for stage, ms in track.timings_ms[key].items())
             lines.append(f"{track.endpoint} {u.item.category} {u.item.name!r} ({u.item.level_db:g} dBFS, "
                          f"x{u.item.speed:g}, snr {u.item.snr_db}): {result}")
     return lines

@@ -55,6 +55,7 @@ class Client:
         self.playout = Playout(self.out_rate)
         self.lock = threading.RLock()
         self.statuses: dict[str, tuple[float, str]] = {}
+        self.timings_ms: dict[str, dict[str, float]] = {}
         self.running: set[str] = set()
         self.current = ""
         """The response heard last (the one `playback` reports and truncations are about)."""
@@ -140,7 +141,7 @@ class Client:
     def track(self) -> Track:
         with self.lock:
             return Track(self.endpoint, self.playout.heard(), list(self.playout.flushes), list(self.playout.pauses),
-                         dict(self.statuses), list(self.utterances), list(self.problems))
+                         dict(self.statuses), list(self.utterances), list(self.problems), dict(self.timings_ms))
 
     def _mic(self) -> None:
         step = int(self.rate * FRAME_S)
@@ -219,6 +220,7 @@ class NativeClient(Client):
         elif kind == "response_done":
             self.running.discard(key)
             self.statuses[key] = (now, event.get("status", ""))
+            self.timings_ms[key] = dict(event.get("timings_ms") or {})
             if event.get("status") == "cancelled":
                 self._flush(now)
             elif event.get("status") != "completed":

@@ -396,3 +396,5 @@ class Track:
     """Each finished response: (when its end arrived, status); none on Twilio (no such event)."""
     utterances: list[Utterance]
     problems: list[str]
+    timings_ms: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Each finished response's `timings_ms` as the server reported them (`/ws` only)."""
