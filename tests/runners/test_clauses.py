@@ -71,12 +71,32 @@ def test_a_run_on_clause_is_cut_at_whitespace_past_max_clause_chars() -> None:
 def test_the_first_clause_is_cut_sooner_so_a_long_opening_sentence_speaks_early() -> None:
     text = ("Once upon a time in a land far away there lived a dragon who loved to read old books. "
             "He read every day in a cave full of candles and maps and little wooden boxes of tea leaves.")
-    clauses = whole(text, ClauseRules())
+    rules = ClauseRules(min_first_phrase_chars=0)  # NOTE: the length cut alone (the phrase cut: below)
+    clauses = whole(text, rules)
     assert clauses[0] == "Once upon a time in a land far away there lived a"  # NOTE: the first word past 48
     assert clauses[1] == "dragon who loved to read old books."
     assert len(clauses[2]) > 48  # NOTE: later clauses keep the long limit
+    assert by_char(text, rules) == clauses
+    assert whole("Yes, of course.", rules) == ["Yes, of course."]
+
+
+@pytest.mark.parametrize(("text", "clauses"), [
+    ("The capital of France is Paris.", ["The capital of France", "is Paris."]),
+    ("The boiling point of water is 100 degrees. It boils.", ["The boiling point of water", "is 100 degrees.",
+                                                               "It boils."]),
+    ("Once upon a time in a land far away there lived a dragon.", ["Once upon a time",
+                                                                   "in a land far away there lived a dragon."]),
+    ("Sure! The sky is usually blue during the day.", ["Sure! The sky is usually blue", "during the day."]),
+    ("Two plus two equals 4.", ["Two plus two equals 4."]),  # NOTE: no word that opens a phrase
+    ("Monday is a Friday.", ["Monday is a Friday."]),  # NOTE: too short before "is"
+    ("The island is big. The sky is blue and wide.", ["The island is big.", "The sky is blue and wide."]),
+])
+def test_the_first_clause_is_cut_where_a_phrase_starts(text: str, clauses: list[str]) -> None:
+    """Before a verb, conjunction or preposition that opens a phrase, once 12 characters precede it since
+    the last mark: the listener hears the reply's first words a clause's tokens sooner; only the first
+    clause, and the same clauses however the text arrives."""
+    assert whole(text, ClauseRules()) == clauses
     assert by_char(text, ClauseRules()) == clauses
-    assert whole("Yes, of course.", ClauseRules()) == ["Yes, of course."]
 
 
 @pytest.mark.parametrize(("text", "want"), [

@@ -12,7 +12,10 @@ Not a clause end:
 With no mark in sight a clause is cut at the first whitespace past `max_clause_chars`, so audio
 never waits on a run-on sentence; the first clause of a reply at the first whitespace past
 `max_first_clause_chars`, shorter, since the listener waits for it (a reply that opens with a long
-sentence starts speaking after ~8 words instead of after all of them).
+sentence starts speaking after ~8 words instead of after all of them). The first clause is also cut
+at a phrase boundary once it has `min_first_phrase_chars`: before a verb, conjunction or preposition
+that opens a phrase ("The capital of France | is Paris.", `PHRASE_STARTS`), where a speaker may
+pause; each token of a clause is ~10 ms of the thinker on a small CPU before its audio can start.
 
 NOTE: every decision is made at the character after the mark and depends only on the clause text
 up to it, so feeding deltas one by one yields exactly the clauses the whole text does. A clause is
@@ -44,6 +47,15 @@ _ABBREVIATIONS = frozenset({
 "no.", "min." end sentences more often than they abbreviate); dotted forms (`e.g`, `a.m`, `u.s`,
 `ph.d`: parts of one or two letters) and single letters (initials) are recognised by shape."""
 
+PHRASE_STARTS = frozenset({
+    "is", "are", "was", "were", "has", "have", "had", "can", "could", "will", "would", "should", "may", "might",
+    "must", "does", "did", "and", "but", "because", "which", "who", "so", "when", "where", "while", "if",
+    "in", "on", "at", "for", "with", "from", "about", "during", "after", "before",
+})
+"""Words before which a reply's first clause may be cut: a verb after its subject, a conjunction, a
+preposition that opens a phrase. Not "of" or "to", which bind to the word before ("point of", "want to")."""
+_MARKS = re.compile(r"[.!?…,;:—–]\s")
+"""A mark that a word follows: where a phrase starts."""
 _LIST_NUMBER = re.compile(r"(?:^|\n)\s*\d{1,3}$")
 """`1.` opening a line numbers a list item; it does not end one."""
 _URL = re.compile(r"(?:https?://|ftp://|www\.)\S*?(?=[.,;:!?)\]\"']*(?:\s|$))", re.IGNORECASE)
@@ -66,8 +78,15 @@ class ClauseRules:
     """A clause with no mark is cut at the first whitespace after this many characters."""
     max_first_clause_chars: int = 48
     """The same for the reply's first clause."""
+    min_first_phrase_chars: int = 12
+    """The reply's first clause is cut before a word of `PHRASE_STARTS` once it has this many speakable
+    characters (0: never)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.min_first_phrase_chars, bool) or not isinstance(self.min_first_phrase_chars, int) or (
+                self.min_first_phrase_chars < 0):
+            raise ValueError(f"ClauseRules.min_first_phrase_chars must be an integer >= 0, "
+                             f"got {self.min_first_phrase_chars!r}")
         for name in ("min_clause_chars", "max_clause_chars", "max_first_clause_chars"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -104,7 +123,8 @@ class ClauseSplitter:
             if cut is None:
                 i += 1
                 continue
-            clause, self._pending = self._pending[:i], self._pending[cut:]
+            end, start = cut
+            clause, self._pending = self._pending[:end], self._pending[start:]
             i = 0
             spoken = speakable(clause)
             if spoken:
@@ -119,22 +139,43 @@ class ClauseSplitter:
         spoken = speakable(rest)
         return [spoken] if spoken else []
 
-    def _cut_before(self, i: int) -> int | None:
-        """Whether the clause ends before `_pending[i]`; if so, where the next one starts."""
+    def _cut_before(self, i: int) -> tuple[int, int] | None:
+        """Whether a clause ends as `_pending[i]` arrives; if so, (where it ends, where the next starts)."""
         text, char = self._pending, self._pending[i]
         if not char.isspace():
             is_dash_cut = i > 0 and text[i - 1] == _UNSPACED_DASH and char not in _SPACED_DASHES
-            return i if is_dash_cut and self._is_long_enough(text[:i]) else None
+            return (i, i) if is_dash_cut and self._is_long_enough(text[:i]) else None
         before = text[:i]
         if char == "\n":
             # NOTE: a line break ends a heading or list item, however short.
-            return i + 1 if speakable(before) else None
+            return (i, i + 1) if speakable(before) else None
         if _ends_clause(before):
-            return i + 1 if self._is_long_enough(before) else None
+            return (i, i + 1) if self._is_long_enough(before) else None
         rules = self.rules
+        if self.num_clauses == 0:
+            phrase_end = self._phrase_end(before)
+            if phrase_end is not None:
+                return phrase_end, phrase_end + 1
         max_chars = min(rules.max_first_clause_chars, rules.max_clause_chars) if self.num_clauses == 0 else (
             rules.max_clause_chars)
-        return i + 1 if len(before) >= max_chars else None
+        return (i, i + 1) if len(before) >= max_chars else None
+
+    def _phrase_end(self, before: str) -> int | None:
+        """Where the first clause ends if the word `before` ends with opens a phrase (`PHRASE_STARTS`) and
+        the words ahead of it are long enough: the whitespace before that word."""
+        minimum = self.rules.min_first_phrase_chars
+        if not minimum:
+            return None
+        start = max(before.rfind(" "), before.rfind("\t"))
+        if start <= 0 or before[start + 1:].lower() not in PHRASE_STARTS:
+            return None
+        ahead = before[:start]
+        # NOTE: counted from the last mark ("Sure! The sky | is ..." would cut a three-word phrase); a mark
+        # right before the word had its own chance to cut.
+        phrase = _MARKS.split(ahead)[-1]
+        if _ends_clause(ahead) or len(speakable(phrase)) < minimum:
+            return None
+        return start
 
     def _is_long_enough(self, clause: str) -> bool:
         return len(speakable(clause)) >= self.rules.min_clause_chars

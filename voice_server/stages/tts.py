@@ -13,8 +13,8 @@ factory_args (all optional):
 - `speed` (1.0): speaking rate, 0.5 .. 2.0.
 - `seed` (0): seeds each request's noise generator (the same text always gives the same audio);
   hibari only: piper's model draws its own noise, so a seed there would promise what it cannot keep.
-- `min_clause_chars` (10), `max_clause_chars` (240), `max_first_clause_chars` (48): the clause rule
-  (`voice_server/runners/clauses.py`).
+- `min_clause_chars` (10), `max_clause_chars` (240), `max_first_clause_chars` (48), `min_first_phrase_chars`
+  (12; 0: off): the clause rule (`voice_server/runners/clauses.py`).
 - `max_text_chars` (32768): longest text one request may bring; a longer one is refused alone.
 - `trim_silence` (true): trim the engine's silence around each sentence; `clause_pause_ms` (150) and
   `sentence_pause_ms` (300): the pauses put between clauses instead (`voice_server/runners/speech_edges.py`).
@@ -38,7 +38,8 @@ from voice_server.stages.tts_engines import HIBARI_VOICE, PIPER_VOICE, load_hiba
 log = logging.getLogger(__name__)
 
 FACTORY_ARGS = ("engine", "num_threads", "speed", "seed", "min_clause_chars", "max_clause_chars",
-                "max_first_clause_chars", "max_text_chars", "trim_silence", "clause_pause_ms", "sentence_pause_ms")
+                "max_first_clause_chars", "min_first_phrase_chars", "max_text_chars", "trim_silence", "clause_pause_ms",
+                "sentence_pause_ms")
 ENGINES: dict[str, tuple[str, str, Callable[[str, int], Synthesizer]]] = {
     "hibari": ("hibari-tts", HIBARI_VOICE, load_hibari),
     "piper": ("piper", PIPER_VOICE, load_piper),
@@ -60,7 +61,8 @@ def create_tts(ctx: StageContext) -> TTSRunner:
     try:
         rules = ClauseRules(_int(where, args, "min_clause_chars", 10, minimum=1),
                             _int(where, args, "max_clause_chars", 240, minimum=2),
-                            _int(where, args, "max_first_clause_chars", 48, minimum=2))
+                            _int(where, args, "max_first_clause_chars", 48, minimum=2),
+                            _int(where, args, "min_first_phrase_chars", 12, minimum=0))
     except ValueError as exc:
         field = "max_first_clause_chars" if "max_first_clause_chars" in str(exc) else "max_clause_chars"
         raise fail(where, f"factory_args.{field}", str(exc)) from exc
