@@ -112,14 +112,15 @@ class SphinxRecognizer:
     def __init__(self, decoder: Decoder, initial_cmn: str) -> None:
         self.decoder = decoder
         self._initial_cmn = initial_cmn
-        self._confident = ""
-        self._alternatives: list[str] = []
+        self._words: list[tuple[str, float]] | None = None
+        """The last finished utterance's words and posteriors, once asked for (`_final_words`)."""
 
     def start(self) -> None:
         # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next;
         # starting every utterance from the same estimate keeps transcripts independent of history.
         self.decoder.set_cmn(self._initial_cmn)
         self.decoder.start_utt()
+        self._words = None
 
     def feed(self, pcm: bytes, is_whole: bool = False) -> None:
         if pcm:  # NOTE: PocketSphinx refuses an empty buffer
@@ -131,24 +132,32 @@ class SphinxRecognizer:
 
     def finish(self) -> str:
         self.decoder.end_utt()
-        text = self.partial()
-        # NOTE: `seg` after `end_utt` walks the best path of the lattice, each word with its posterior
-        # (1-13 ms); fillers (<s>, <sil>, [NOISE]) are not words, and "to(2)" is the dictionary's second "to".
-        words = [(seg.word.split("(")[0], seg.prob) for seg in self.decoder.seg() or ()  # NOTE: None: no audio
-                 if not seg.word.startswith(("<", "["))]
-        self._confident = " ".join(word for word, prob in words if prob >= MIN_WORD_POSTERIOR)
-        self._alternatives = []
-        if words and words[-1][1] < UNSURE_LAST_WORD_POSTERIOR:
-            hypotheses = (hyp.hypstr for hyp in itertools.islice(self.decoder.nbest() or (), NUM_ALTERNATIVES + 1)
-                          if hyp is not None)  # NOTE: its iterator can yield None
-            self._alternatives = [h for h in dict.fromkeys(hypotheses) if h != text][:NUM_ALTERNATIVES]
-        return text
+        self._words = None
+        return self.partial()
 
     def confident_text(self) -> str:
-        return self._confident
+        return " ".join(word for word, prob in self._final_words() if prob >= MIN_WORD_POSTERIOR)
 
     def alternatives(self) -> list[str]:
-        return self._alternatives
+        words = self._final_words()
+        if not words or words[-1][1] >= UNSURE_LAST_WORD_POSTERIOR:
+            return []
+        text = self.partial()
+        hypotheses = (hyp.hypstr for hyp in itertools.islice(self.decoder.nbest() or (), NUM_ALTERNATIVES + 1)
+                      if hyp is not None)  # NOTE: its iterator can yield None
+        return [h for h in dict.fromkeys(hypotheses) if h != text][:NUM_ALTERNATIVES]
+
+    def _final_words(self) -> list[tuple[str, float]]:
+        """The last finished utterance's words with their posteriors: walked once, and only when asked
+        for (a streamed turn's end), not for a whole request's clips.
+
+        NOTE: `seg` after `end_utt` walks the best path of the lattice, each word with its posterior
+        (1-13 ms); fillers (<s>, <sil>, [NOISE]) are not words, and "to(2)" is the dictionary's second "to"."""
+        if self._words is None:
+            segments = self.decoder.seg() or ()  # NOTE: None: the utterance had no audio
+            self._words = [(seg.word.split("(")[0], seg.prob) for seg in segments
+                           if not seg.word.startswith(("<", "["))]
+        return self._words
 
 
 class DecoderPool:

@@ -83,14 +83,11 @@ class ClauseRules:
     characters (0: never)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.min_first_phrase_chars, bool) or not isinstance(self.min_first_phrase_chars, int) or (
-                self.min_first_phrase_chars < 0):
-            raise ValueError(f"ClauseRules.min_first_phrase_chars must be an integer >= 0, "
-                             f"got {self.min_first_phrase_chars!r}")
-        for name in ("min_clause_chars", "max_clause_chars", "max_first_clause_chars"):
+        for name, minimum in (("min_clause_chars", 1), ("max_clause_chars", 1), ("max_first_clause_chars", 1),
+                              ("min_first_phrase_chars", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ClauseRules.{name} must be an integer >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"ClauseRules.{name} must be an integer >= {minimum}, got {value!r}")
         for name in ("max_clause_chars", "max_first_clause_chars"):
             if getattr(self, name) <= self.min_clause_chars:
                 raise ValueError(f"ClauseRules.{name} ({getattr(self, name)}) must be greater than "

@@ -117,7 +117,7 @@ class Session(StreamedTurns):
         # NOTE: only the pause's final transcript, and only the words the recogniser is sure of: partial
         # hypotheses carry no confidence, and PocketSphinx hears "uh huh" as "at hand" or "fat half".
         words = turn.run.held_confident if turn is not None else ""
-        is_words_pending = turn is not None and turn.is_speculating and turn.run.held_transcript is None
+        is_words_pending = turn is not None and turn.is_awaiting_transcript
         verdict = judge(pending, self.interruption_rules, speech_ms=detector.speech_ms, words=words,
                         silence_ms=detector.silence_ms, now=time.monotonic(), is_words_pending=is_words_pending)
         if verdict is Verdict.CONFIRMED:
@@ -140,7 +140,7 @@ class Session(StreamedTurns):
     async def _on_score(self, token: int, probability: float) -> None:
         """A pause's end-of-turn score (`PauseScorer`), from its task (a stale token is ignored)."""
         turn = self._turn
-        if turn is not None and turn.is_speculating and turn.run.held_transcript is None:
+        if turn is not None and turn.is_awaiting_transcript:
             # NOTE: the words rule weighs the pause's final transcript. Under load the recogniser runs
             # behind the audio, and its last partial ends wherever it got to ("how many legs does a"),
             # which would hold a finished turn to the maximum silence. Waiting costs no latency: the held

@@ -130,16 +130,7 @@ class ResponseRun:
                         async with self._drain_lock:  # NOTE: the live transcript goes on; nothing else is sent
                             await self._on_output(output, time.monotonic())
                     else:
-                        final = output.payload.get("input_transcript")
-                        if isinstance(final, str):
-                            # NOTE: the turn detector and the interruption judge weigh these words
-                            confident = output.payload.get("input_transcript_confident", final)
-                            alternatives = output.payload.get("input_transcript_alternatives", [])
-                            self.held_transcript = final
-                            self.held_confident = confident if isinstance(confident, str) else ""
-                            self.held_alternatives = [a for a in alternatives if isinstance(a, str)] if isinstance(
-                                alternatives, list) else []
-                            self.has_held_transcript.set()
+                        self._keep_transcript(output.payload)
                         self._held.append((output, time.monotonic()))
                     continue
                 self._held.append((output, time.monotonic()))
@@ -155,6 +146,19 @@ class ResponseRun:
         if tail is not None and tail.size:
             await self._send_audio(tail)
         return ""
+
+    def _keep_transcript(self, payload: dict[str, Any]) -> None:
+        """A held output's final transcript, for the turn detector and the interruption judge."""
+        final = payload.get("input_transcript")
+        if not isinstance(final, str):
+            return
+        confident = payload.get("input_transcript_confident", final)
+        alternatives = payload.get("input_transcript_alternatives")
+        self.held_transcript = final
+        self.held_confident = confident if isinstance(confident, str) else ""
+        self.held_alternatives = [a for a in alternatives if isinstance(a, str)] if isinstance(
+            alternatives, list) else []
+        self.has_held_transcript.set()
 
     async def _drain(self) -> None:
         # NOTE: `release` (the session's task) and `consume` (the run's) both drain; one at a time, in order.
@@ -259,6 +263,11 @@ class OpenTurn:
     def is_speculating(self) -> bool:
         """The input ended at a pause (`ResponseRun.speculate`); the turn is not committed yet."""
         return self.input.is_ended
+
+    @property
+    def is_awaiting_transcript(self) -> bool:
+        """Speculating, and the pause's final transcript (`ResponseRun.held_transcript`) not in yet."""
+        return self.is_speculating and self.run.held_transcript is None
 
     def send(self, pcm16: npt.NDArray[np.int16]) -> None:
         """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
