@@ -272,7 +272,7 @@ def test_a_streamed_turns_confident_words_drop_what_noise_made_up(runner: AsrRun
     assert sum(c for _, c in num_words["noisy"]) < sum(t for t, _ in num_words["noisy"]), results["noisy"]
 
 
-def test_an_unsure_last_word_comes_with_the_alternatives_that_the_end_of_turn_rule_reads(runner: AsrRunner) -> None:
+def test_the_words_rule_flags_hesitations_on_the_final_and_its_alternatives_not_sentences(runner: AsrRunner) -> None:
     """Where the final's last word is unsure, `input_transcript_alternatives` carries the n-best: the words
     before a hesitation's pause ("book a,") come out as "book it" in the final, "book a" among the
     alternatives, so the session's end-of-turn rule sees them; no complete sentence is flagged so."""
