@@ -66,7 +66,7 @@ BARGE_IN = ("Wait, stop, I have another question.", "Sorry, can you repeat that 
 PROMPT = ("Tell me about the history of Paris.", "Can you tell me a story about a brave little dragon?",
           "Tell me about the history of the Roman Empire.", "Tell me a story about a pirate who found a treasure.",
           "Explain how airplanes fly.", "Tell me a story about a cat who lived in a big city.")
-COUNTS = {"complete": 12, "hesitation": 10, "backchannel": 20, "cough": 20, "burst": 20, "barge_in": 10,
+COUNTS = {"complete": 12, "hesitation": 10, "backchannel": 20, "cough": 20, "burst": 20, "barge_in": 12,
           "prompt": len(PROMPT)}
 QUICK_COUNTS = {"complete": 3, "hesitation": 2, "backchannel": 2, "cough": 2, "burst": 2, "barge_in": 2,
                 "prompt": 3}

@@ -7,7 +7,9 @@ through a real server and real stage processes, with speech synthesised at test 
   (requests, KV pages, relay slots);
 - what the response reports (`end_of_speech`, `first_audible`) and `/metrics` count agree;
 - a backchannel over a reply pauses it and it resumes; a real barge-in pauses it, then starts the user's
-  turn and cuts the reply to what was heard."""
+  turn and cuts the reply to what was heard;
+- on a phone call (paced audio), the reply is held from the first window of speech over it, before the
+  turn opens, and a click over it holds it only as long as the click."""
 
 from __future__ import annotations
 
@@ -25,10 +27,14 @@ from live_server import metric
 from session_server import SessionServer, serve
 from speech_text import ASR_RATE, hesitant_speech, speech, word_error_rate
 from test_default_pipeline import say
+from test_twilio_ws import Calls
+from twilio_phone import Phone, ulaw_of
 from websockets.sync.client import ClientConnection, connect
 
 from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
 from voice_server.config.loading import load_pipeline
+from voice_server.session.events import ResponsePaused, ResponseResumed, SpeechStarted
+from voice_server.session.twilio.endpoint import TwilioSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 FRAME = ASR_RATE // 50
@@ -211,6 +217,7 @@ def test_a_backchannel_pauses_the_reply_and_it_resumes(default: SessionServer) -
     after = kinds[kinds.index("response_started"):]
     assert not {"speech_started", "item_truncated", "input_committed"} & set(after), kinds
     assert kinds.count("response_started") == 1
+    assert kinds.count("response_paused") == 1  # NOTE: a tentative hold at the onset is not this client's
     assert_nothing_left(default)
 
 
@@ -297,3 +304,23 @@ def test_a_short_barge_in_then_silence_ends_its_turn_without_waiting_for_the_max
     turn_ms = stopped["audio_end_ms"] - started["audio_start_ms"]
     assert turn_ms < words.size * 1000 // ASR_RATE + 300 + 1500, (started, stopped)
     assert_nothing_left(default)
+
+
+def test_a_phone_reply_is_held_from_the_first_window_of_speech_over_it(default: SessionServer) -> None:
+    calls = Calls()
+    default.app.state.twilio = TwilioSettings(listener=calls)
+    phone = Phone(default.port)
+    phone.start()
+    phone.talk(ulaw_of(speech("Tell me a story about a dragon.", silence_s=0.2)),
+               until=lambda: phone.played_ms >= 1000)
+    barge_in = speech("Wait, stop, I have another question about the weather.", silence_s=0.2)
+    phone.talk(ulaw_of(barge_in), until=lambda: len(calls.of(phone, SpeechStarted)) >= 2)
+    phone.stop()
+    holds = sorted(calls.of(phone, ResponsePaused) + calls.of(phone, ResponseResumed), key=lambda e: e[0])
+    # NOTE: the barge-in's reply is held (tentatively: the phone's queue only) at its first speech window,
+    # and paused proper when the turn opens, a window or more later, with nothing released in between.
+    (held_at, held), (paused_at, paused) = holds[-2:]
+    assert isinstance(held, ResponsePaused) and held.is_tentative, holds
+    assert isinstance(paused, ResponsePaused) and not paused.is_tentative, holds
+    assert 0.02 <= paused_at - held_at <= 0.5, paused_at - held_at
+    default.wait_idle(timeout=15)

@@ -10,6 +10,8 @@ import pytest
 from voice_server.session.end_of_turn import (
     WINDOW_MS,
     EndOfTurn,
+    OnsetHeard,
+    OnsetLost,
     Phase,
     SilenceStarted,
     SpeechResumed,
@@ -28,12 +30,13 @@ SEMANTIC = TurnDetectionConfig(type="semantic_vad", prefix_padding_ms=96, min_sp
 """120 ms of speech opens a turn here (four windows; the default is two), so that a start is a run to script."""
 
 
-def run(machine: EndOfTurn, probabilities: list[float]) -> list[tuple[int, object]]:
-    """(window index, event) of every event the windows produce."""
+def run(machine: EndOfTurn, probabilities: list[float], is_onsets: bool = False) -> list[tuple[int, object]]:
+    """(window index, event) of every event the windows produce (`OnsetHeard`/`OnsetLost` with `is_onsets`)."""
     out = []
     for probability in probabilities:
         index = machine.num_windows
-        out.extend((index, event) for event in machine.step(probability))
+        out.extend((index, event) for event in machine.step(probability)
+                   if is_onsets or not isinstance(event, OnsetHeard | OnsetLost))
     return out
 
 
@@ -69,6 +72,18 @@ def test_a_short_blip_and_a_flickering_probability_open_nothing() -> None:
     # NOTE: 0.4 is between the thresholds (0.35 / 0.5): it neither counts as speech nor breaks a run.
     assert run(machine, [0.9, 0.9, 0.9, 0.0, 0.4, 0.4, 0.9, 0.0, 0.9, 0.9, 0.4, 0.9, 0.0]) == []
     assert run(machine, [0.9, 0.4, 0.9, 0.9, 0.9]) != []  # NOTE: the in-between window kept the run
+
+
+def test_an_onset_is_heard_at_its_first_window_and_lost_when_its_run_breaks_before_a_turn() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    events = run(machine, [0.0] * 3 + [0.9, 0.4, 0.9, 0.0] + [0.9] * 4 + [0.9] * 3, is_onsets=True)
+    # NOTE: the in-between window (0.4) keeps the run: one onset, lost at the silent window; the next run
+    # is heard again and opens the turn at its fourth window; a turn open hears no onsets.
+    assert [(i, type(e)) for i, e in events] == [(3, OnsetHeard), (6, OnsetLost), (7, OnsetHeard),
+                                                 (10, SpeechStarted)]
+    assert events[0][1] == OnsetHeard(3 * WINDOW_MS) and events[1][1] == OnsetLost(7 * WINDOW_MS)
+    one_window = EndOfTurn(TurnDetectionConfig(type="semantic_vad", min_speech_ms=32))
+    assert [type(e) for _, e in run(one_window, [0.0, 0.9], is_onsets=True)] == [SpeechStarted]
 
 
 def test_a_complete_turn_commits_once_scored_and_silent_long_enough() -> None:

@@ -11,7 +11,7 @@ from speech_text import ASR_RATE, speech
 from voice_server.audio import float32_to_pcm16, frame_levels_db, resample_signal
 from voice_server.session.config import SessionConfig
 from voice_server.session.detectors import make_detector
-from voice_server.session.end_of_turn import SilenceStarted
+from voice_server.session.end_of_turn import OnsetHeard, OnsetLost, SilenceStarted
 from voice_server.session.semantic_vad import SemanticTurnDetector
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped, TurnDetector
@@ -20,10 +20,13 @@ SEMANTIC = TurnDetectionConfig(type="semantic_vad")
 
 
 def feed_all(detector: SemanticTurnDetector, audio: np.ndarray, rate: int) -> list[tuple[int, object]]:
-    """(input ms at which each event came, event), 20 ms chunks, each pause scored at once."""
+    """(input ms at which each event came, event), 20 ms chunks, each pause scored at once; onsets left out
+    (`OnsetHeard`/`OnsetLost`: what a reply playing would do, not the turn)."""
     pcm, step, out = float32_to_pcm16(audio), rate // 50, []
     for i in range(0, pcm.size, step):
         for event in detector.feed(pcm[i:i + step]):
+            if isinstance(event, OnsetHeard | OnsetLost):
+                continue
             now_ms = (i + step) * 1000 // rate
             out.append((now_ms, event))
             if isinstance(event, SilenceStarted):

@@ -26,7 +26,13 @@ from voice_server.audio import StreamResampler
 from voice_server.session.config import SessionConfig
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
 from voice_server.session.detectors import PauseScorer, make_detector
-from voice_server.session.end_of_turn import UNFINISHED_SCORE, Phase, hypotheses_suggest_more
+from voice_server.session.end_of_turn import (
+    UNFINISHED_SCORE,
+    OnsetHeard,
+    OnsetLost,
+    Phase,
+    hypotheses_suggest_more,
+)
 from voice_server.session.events import (
     InputCommitted,
     ItemTruncated,
@@ -82,6 +88,11 @@ class Session(StreamedTurns):
         for event in events:
             if isinstance(event, VadStarted):
                 await self._on_speech_started(event)
+            elif isinstance(event, OnsetHeard):
+                if detector.config.interrupt_response:
+                    await self.hold_at_onset()
+            elif isinstance(event, OnsetLost):
+                await self.release_onset()
             elif isinstance(event, SilenceStarted):
                 if self.interruption is None:
                     self._scorer.score(detector, event.token, self.input.peek(self._turn_start_ms), self._on_score)
@@ -104,6 +115,7 @@ class Session(StreamedTurns):
             # NOTE: judged before it is a turn: `SpeechStarted` waits for the verdict (`_judge`).
             await self._pause(self._turn_item_id, event.audio_start_ms)
         else:
+            await self.release_onset()
             await self.emit(SpeechStarted(self._turn_item_id, event.audio_start_ms))
             if turns.interrupt_response:
                 await self.barge_in()
@@ -173,12 +185,13 @@ class Session(StreamedTurns):
         """Manual turn end: everything buffered becomes the user's item."""
         await self._commit_audio(new_id("item"), self.input.start_ms, self.input.now_ms)
 
-    def clear(self) -> None:
+    async def clear(self) -> None:
         self.input.clear()
         self._scorer.cancel()
         if self.detector is not None:
             self.detector.reset()
         self._drop_turn()
+        await self.release_onset()  # NOTE: the reset forgets the onset, which will never be lost now
 
     async def add_text(self, text: str, role: str = "user", item_id: str | None = None) -> Item:
         """A typed item (`item_id`: the client's own id, if it names one) at the end of the conversation."""
@@ -191,7 +204,7 @@ class Session(StreamedTurns):
     def on_playback(self, played_ms: int) -> None:
         self.played_ms, self.played_at = max(0, int(played_ms)), time.monotonic()
 
-    def reconfigure(self, config: SessionConfig) -> None:
+    async def reconfigure(self, config: SessionConfig) -> None:
         """A new config (e.g. a protocol's `session.update`). A changed input rate or turn detection
         restarts turn detection and drops buffered input; the output rate applies from the next response."""
         if (config.input_rate, config.turn_detection) != (self.config.input_rate, self.config.turn_detection):
@@ -199,6 +212,7 @@ class Session(StreamedTurns):
             self.detector = make_detector(config)
             self.input = InputBuffer(config.input_rate)
             self._drop_turn()
+            await self.release_onset()  # NOTE: the old detector's onset will never be lost
         self.config = config
 
     async def truncate(self, item_id: str, audio_end_ms: int) -> None:

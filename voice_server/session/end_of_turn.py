@@ -4,10 +4,14 @@ scores. No model and no audio in here (`SemanticTurnDetector` feeds it), so test
 Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kHz):
 
     IDLE --(num_start_windows speech windows in a row)--> SPEAKING           emits SpeechStarted
+    IDLE --(a first speech window / its run broken before that)--> IDLE     emits OnsetHeard / OnsetLost
     SPEAKING --(num_pause_windows non-speech in a row)--> PAUSED             emits SilenceStarted(token)
     PAUSED --(num_resume_windows speech in a row)--> SPEAKING                emits SpeechResumed
     PAUSED --(score >= min_complete and silence >= min_silence_ms)--> IDLE   emits SpeechStopped
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
+
+`OnsetHeard` comes a window or more before a turn could open (`num_start_windows` > 1): a reply playing
+may hold its audio at once, and go on at `OnsetLost` (a click, a blip) if the turn never opens.
 
 `SilenceStarted` asks the caller to score the turn's audio so far (Smart Turn) and to hand the result
 back with `on_score(token, probability)` (capped by `words_suggest_more` where the caller has the
@@ -37,7 +41,8 @@ from dataclasses import dataclass
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped
 
-__all__ = ["UNFINISHED_SCORE", "WINDOW_MS", "EndOfTurn", "Phase", "SilenceStarted", "SpeechResumed",
+__all__ = ["UNFINISHED_SCORE", "WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted",
+           "SpeechResumed",
            "hypotheses_suggest_more", "words_suggest_more"]
 
 WINDOW_MS = 32
@@ -96,6 +101,20 @@ class SilenceStarted:
 
     speech_end_ms: int
     token: int
+
+
+@dataclass(frozen=True)
+class OnsetHeard:
+    """A speech window with no turn open: a turn may start (`SpeechStarted` once the run is long enough)."""
+
+    audio_ms: int
+
+
+@dataclass(frozen=True)
+class OnsetLost:
+    """The run of speech windows since `OnsetHeard` broke before it opened a turn."""
+
+    audio_ms: int
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,7 @@ class EndOfTurn:
             self.phase, self._num_run, self.score = Phase.PAUSED, 0, None
             self.token += 1
             return [SilenceStarted(self.speech_end_ms, self.token)]
+        num_run_before = self._num_run
         if is_speech:
             if self._num_run == 0:
                 self._run_start = index
@@ -171,7 +191,9 @@ class EndOfTurn:
             self._num_run = 0
         if self.phase is Phase.IDLE:
             if self._num_run < self.num_start_windows:
-                return []
+                if self._num_run and not num_run_before:
+                    return [OnsetHeard(index * WINDOW_MS)]
+                return [OnsetLost(self.now_ms)] if num_run_before and not self._num_run else []
             onset_ms = self._run_start * WINDOW_MS
             self.turn_start_ms = max(self._floor_ms, onset_ms - self.config.prefix_padding_ms)
             self.phase, self._num_run, self.speech_end_ms = Phase.SPEAKING, 0, self.now_ms

@@ -57,9 +57,15 @@ class ResponseStarted:
 @dataclass(frozen=True)
 class ResponsePaused:
     """Speech started over the reply: its audio stops here (the server holds what comes; a client that
-    can pause its playback holds what it queued) until `ResponseResumed` or the reply is cut."""
+    can pause its playback holds what it queued) until `ResponseResumed` or the reply is cut.
+
+    `is_tentative`: only a first window of speech, which may be a click (`OnsetHeard`): the server stops
+    sending what a client would queue ahead (`Pacer`), and a client that pauses its own playback is not
+    told (`/ws`): for the ~32-64 ms until the turn opens (a `ResponsePaused` proper) or the blip ends (a
+    tentative `ResponseResumed`), the audio it holds plays on."""
 
     response_id: str
+    is_tentative: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,7 @@ class ResponseResumed:
     """The speech over the reply was not an interruption: the reply goes on from where it paused."""
 
     response_id: str
+    is_tentative: bool = False
 
 
 @dataclass(frozen=True)

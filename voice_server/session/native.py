@@ -130,6 +130,8 @@ class NativeConnection:
         self.is_open = True
 
     async def emit(self, event: SessionEvent) -> None:
+        if isinstance(event, ResponsePaused | ResponseResumed) and event.is_tentative:
+            return  # NOTE: this client pauses its own playback: a tentative hold would stutter it (events.py)
         if not self.is_open:
             if isinstance(event, ResponseDone):
                 self.metrics.observe(event)  # NOTE: a response the disconnect cancelled still counts
@@ -196,7 +198,7 @@ class NativeConnection:
         if kind == "input.commit":
             await session.commit()
         elif kind == "input.clear":
-            session.clear()
+            await session.clear()
         elif kind == "text":
             body = message.get("text")
             if not isinstance(body, str) or not body:

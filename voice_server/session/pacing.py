@@ -1,5 +1,6 @@
-"""`Pacer`: a connection's outgoing messages in order, each piece of audio sent no more than `lead_s`
-ahead of the client's playout, for protocols whose clients cannot pause (`/v1/realtime`, `/twilio/media`).
+"""`Pacer`: a connection's outgoing messages in order, each piece of audio sent when the client's playout
+has room for it under `lead_s` (what the client holds never exceeds `lead_s`), for protocols whose clients
+cannot pause (`/v1/realtime`, `/twilio/media`).
 
 Why: the pipeline makes a reply far faster than real time (a clause of 2 s in ~30 ms), and a client that
 has it all queued plays it all. A server that paces its sends keeps the client's queue at about
@@ -25,8 +26,9 @@ __all__ = ["DEFAULT_LEAD_S", "Pacer"]
 M = TypeVar("M")
 
 DEFAULT_LEAD_S = 0.12
-"""Audio a client holds ahead: enough for a network's jitter on a good line, short enough that a reply held
-at a barge-in's onset goes quiet within 300 ms of the first word (onset ~80 ms + this + one piece)."""
+"""Most audio a client holds ahead (between this less one piece and this): enough for a network's jitter on
+a good line, short enough that a reply held at a barge-in's first speech window (`ResponsePaused`,
+tentative) goes quiet within 300 ms of the first word (Silero's 30-170 ms to that window + this)."""
 
 
 async def _discard(message: object) -> None:
@@ -92,9 +94,11 @@ class Pacer(Generic[M]):
                 continue
             message, duration_s = self._queue[0]
             now = time.monotonic()
-            ahead_s = self.play_end_at - now
-            if duration_s and ahead_s > self.lead_s:
-                await self._sleep(ahead_s - self.lead_s)
+            # NOTE: the client holds at most `lead_s` once this piece is in (a piece longer than that goes
+            # when the client has nothing left), so a hold silences the reply within `lead_s`.
+            wait_s = self.play_end_at - now - max(0.0, self.lead_s - duration_s)
+            if duration_s and wait_s > 0:
+                await self._sleep(wait_s)
                 continue
             self._queue.popleft()
             if duration_s:

@@ -56,6 +56,8 @@ class Responses:
         self.num_barge_ins = 0
         self.interruption: Interruption | None = None
         """Speech over a reply, not yet confirmed or dismissed (`semantic_vad`)."""
+        self._onset_held: str | None = None
+        """The response whose audio a speech onset holds tentatively (`hold_at_onset`), if any."""
         self._speech_end_at: float | None = None
         """When the last spoken turn's speech ended (monotonic), for the next response's `end_of_speech`."""
 
@@ -166,10 +168,28 @@ class Responses:
 
     # -- interruptions -------------------------------------------------------------------------------
 
+    async def hold_at_onset(self) -> None:
+        """A first window of speech over a reply playing: hold its paced audio until a turn opens (`_pause`
+        takes the hold over) or the onset fades (`release_onset`). Why: at a barge-in, the turn opens a
+        window or two (Silero's `min_speech_ms`) after the first one, and every window held earlier is
+        audio the caller hears less of over their own words."""
+        run = self._run
+        if run is None or self._onset_held is not None or self.interruption is not None or not self.is_playing():
+            return
+        self._onset_held = run.response_id
+        await self.emit(ResponsePaused(run.response_id, is_tentative=True))
+
+    async def release_onset(self) -> None:
+        """The onset held at `hold_at_onset` opened no interruption: the paced audio goes on."""
+        response_id, self._onset_held = self._onset_held, None
+        if response_id is not None and self.interruption is None:
+            await self.emit(ResponseResumed(response_id, is_tentative=True))
+
     async def _pause(self, item_id: str, audio_start_ms: int) -> None:
         """Speech started over a reply: hold it until the speech is confirmed or dismissed."""
         run = self._run
         assert run is not None
+        self._onset_held = None  # NOTE: the interruption holds it now
         is_generating = self._is_responding()
         if is_generating:
             run.hold()

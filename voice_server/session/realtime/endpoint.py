@@ -21,8 +21,9 @@ the running response is aborted in every stage.
 session's events onto server events.
 
 Output pacing: what the session emits goes out through a `Pacer`, in order, its audio in pieces of
-`PIECE_S` no more than `lead_s` ahead of the client's playout; OpenAI's clients cannot pause, so this is
-what lets a reply held by an interruption being judged go quiet within `lead_s`, and a confirmed one
+`PIECE_S`, the client holding at most `lead_s` of it; OpenAI's clients cannot pause, so this is what lets
+a reply held at speech over it (`ResponsePaused`, tentative from its first window) go quiet within `lead_s`,
+and a confirmed interruption
 (`speech_started`) drop the rest of its audio here rather than in the client.
 """
 
@@ -195,7 +196,7 @@ class RealtimeConnection:
         except ValueError as exc:
             await self.error(INVALID_VALUE, str(exc), "session.audio.input.turn_detection")
             return
-        self.session.reconfigure(core)
+        await self.session.reconfigure(core)
         self.config = self.bridge.session = config
         await self.send(se.session_updated(config))
 
@@ -220,7 +221,7 @@ class RealtimeConnection:
         await self.session.commit()  # NOTE: an empty buffer is the session's error event
 
     async def on_clear(self, event: InputAudioBufferClear) -> None:
-        self.session.clear()
+        await self.session.clear()
         await self.send(se.input_audio_cleared())
 
     async def on_item_create(self, event: ConversationItemCreate) -> None:

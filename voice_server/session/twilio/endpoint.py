@@ -74,6 +74,9 @@ __all__ = ["CallListener", "TwilioSettings", "twilio_ws"]
 ENDPOINT = "twilio"
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
+LEAD_S = 0.08
+"""The most audio Twilio holds ahead (`Pacer`): less than a realtime client's (its media servers are on a data
+centre's network), since on the phone band Silero hears a barge-in's "St" up to ~180 ms late."""
 """Twilio sends `connected` and `start` as soon as the socket opens; a socket without them is not Twilio."""
 INSTRUCTIONS_PARAMETER = "instructions"
 
@@ -121,9 +124,10 @@ class TwilioConnection:
         """The response running in the session (between `ResponseStarted` and `ResponseDone`)."""
         self._cleared_response_id: str | None = None
         """A response whose audio was cleared: what it still emits before the cancel lands is dropped."""
-        self.pacer: Pacer[str] = Pacer(self._send_one)
-        """The reply's media and marks, paced: Twilio plays what it has, so the server keeps its queue at
-        `lead_s`; a held reply (`ResponsePaused`) goes quiet within that, and a clear drops what is here."""
+        self.pacer: Pacer[str] = Pacer(self._send_one, LEAD_S)
+        """The reply's media and marks, paced: Twilio plays what it has, so the server keeps its queue under
+        `lead_s`; a held reply (`ResponsePaused`, tentative from the first speech window over it) goes quiet
+        within that, and a clear drops what is here."""
 
     @property
     def stream_sid(self) -> str:
