@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from voice_server.scheduling import Emit, EmitKind, SimpleResult, SimpleScheduler, Urgency, WorkItem, WorkKind
+from voice_server.scheduling import Emit, EmitKind, SimpleResult, SimpleScheduler, WorkItem, WorkKind
 
 
 def new(rid: str) -> WorkItem:
@@ -84,93 +84,3 @@ def test_failed_batch_retries_each_request_alone_and_errors_only_the_culprit() -
     solo_c = sched.schedule(now=0)
     assert solo_c is not None and [w.request_id for w in solo_c.items] == ["c"]
     assert sched.active_request_ids == {"c"}
-
-
-def done(rid: str) -> WorkItem:
-    return WorkItem(rid, WorkKind.DONE, None)
-
-
-def stream(sched: SimpleScheduler, rid: str, num_chunks: int, now: float = 0.0) -> None:
-    sched.add(new(rid), now=now)
-    for seq in range(num_chunks):
-        sched.add(chunk(rid, seq), now=now)
-
-
-def ids(batch: object) -> list[tuple[str, WorkKind]]:
-    assert batch is not None
-    return [(w.request_id, w.kind) for w in batch.items]  # type: ignore[attr-defined]
-
-
-def test_ending_first_runs_ended_streams_alone_and_in_order_before_the_backlog() -> None:
-    sched = SimpleScheduler(max_batch_size=4, urgency=Urgency.ENDING)
-    stream(sched, "a", 3)
-    stream(sched, "b", 3)
-    sched.add(chunk("a", 3), now=0)
-    sched.add(done("b"), now=0)  # b's input ended behind a's backlog
-    first = ids(sched.schedule(now=0))
-    assert first == [("b", WorkKind.NEW), ("b", WorkKind.CHUNK), ("b", WorkKind.CHUNK), ("b", WorkKind.CHUNK)]
-    assert ids(sched.schedule(now=0)) == [("b", WorkKind.DONE)]  # the rest of b, still alone
-    assert ids(sched.schedule(now=0)) == [("a", WorkKind.NEW)] + [("a", WorkKind.CHUNK)] * 3
-    assert ids(sched.schedule(now=0)) == [("a", WorkKind.CHUNK)]
-    assert sched.schedule(now=0) is None
-
-
-def test_ending_first_keeps_each_stream_in_order_and_forgets_aborted_and_finished_streams() -> None:
-    sched = SimpleScheduler(max_batch_size=8, batch_window_s=10.0, urgency=Urgency.ENDING)
-    stream(sched, "a", 2)
-    stream(sched, "b", 1)
-    sched.add(done("a"), now=0)
-    assert sched.next_wakeup(now=0) == 0.0  # an ended stream does not wait out the batch window
-    batch = sched.schedule(now=0)
-    assert batch is not None and [(w.request_id, w.kind, w.seq) for w in batch.items] == [
-        ("a", WorkKind.NEW, 0), ("a", WorkKind.CHUNK, 0), ("a", WorkKind.CHUNK, 1), ("a", WorkKind.DONE, 0)]
-    sched.update(batch, SimpleResult((Emit("a", EmitKind.RESULT),)))
-    sched.add(done("b"), now=0)
-    assert sched.abort("b")
-    assert sched.schedule(now=0) is None and sched.next_wakeup(now=0) is None
-    assert sched.active_request_ids == set()
-
-
-def test_first_output_first_serves_requests_that_have_emitted_nothing_yet() -> None:
-    sched = SimpleScheduler(max_batch_size=1, urgency=Urgency.FIRST_OUTPUT)
-    stream(sched, "a", 1)
-    first = sched.schedule(now=0)
-    assert ids(first) == [("a", WorkKind.NEW)]
-    sched.update(first, SimpleResult(()))
-    second = sched.schedule(now=0)
-    assert ids(second) == [("a", WorkKind.CHUNK)]
-    sched.update(second, SimpleResult((Emit("a", EmitKind.STREAM, {"pcm": 0}),)))  # a's first audio
-    for seq in (1, 2):
-        sched.add(chunk("a", seq), now=0)
-    stream(sched, "b", 2)  # b came later, and has nothing out yet
-    order = []
-    while (batch := sched.schedule(now=0)) is not None:
-        order += ids(batch)
-        is_b_first_clause = order[-1] == ("b", WorkKind.CHUNK)
-        sched.update(batch, SimpleResult((Emit("b", EmitKind.STREAM, {"pcm": 0}),) if is_b_first_clause else ()))
-    # NOTE: b's NEW and first chunk (its first output) before a's backlog, then arrival order again.
-    assert order == [("b", WorkKind.NEW), ("b", WorkKind.CHUNK), ("a", WorkKind.CHUNK), ("a", WorkKind.CHUNK),
-                     ("b", WorkKind.CHUNK)]
-
-
-def test_arrival_order_without_urgency() -> None:
-    sched = SimpleScheduler(max_batch_size=8)
-    stream(sched, "a", 1)
-    stream(sched, "b", 0)
-    sched.add(done("b"), now=0)
-    assert ids(sched.schedule(now=0)) == [("a", WorkKind.NEW), ("a", WorkKind.CHUNK), ("b", WorkKind.NEW),
-                                          ("b", WorkKind.DONE)]
-
-
-def test_the_asr_stage_serves_ending_streams_first_and_the_talker_first_clauses() -> None:
-    from voice_server.config import StageConfig
-    from voice_server.runners.asr_runner import AsrRunner
-    from voice_server.runners.tts_runner import TTSRunner
-    from voice_server.scheduling import SCHEDULER_BUILDERS
-
-    stage = StageConfig(name="s", factory="m:f", max_batch_size=4)
-    asr = SCHEDULER_BUILDERS["simple"](stage, AsrRunner.__new__(AsrRunner))
-    talker = SCHEDULER_BUILDERS["simple"](stage, TTSRunner.__new__(TTSRunner))
-    assert isinstance(asr, SimpleScheduler) and asr.urgency is Urgency.ENDING
-    # NOTE: a talker's urgent work is other replies' first clauses, not a finishing reply's last one.
-    assert isinstance(talker, SimpleScheduler) and talker.urgency is Urgency.FIRST_OUTPUT

@@ -40,16 +40,7 @@ from typing import Any
 from voice_server.runners.asr_decoders import SAMPLING_RATE
 from voice_server.runners.asr_input import messages_with_audio, pcm16
 from voice_server.runners.asr_recognizer import Recognizer, RecognizerPool
-from voice_server.scheduling import (
-    AdmissionError,
-    Emit,
-    EmitKind,
-    Runner,
-    SimpleBatch,
-    SimpleResult,
-    Urgency,
-    WorkItem,
-)
+from voice_server.scheduling import AdmissionError, Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkItem
 from voice_server.scheduling.base import CapacityError, WorkKind
 
 log = logging.getLogger(__name__)
@@ -87,9 +78,6 @@ class _Request:
 
 
 class AsrRunner(Runner[SimpleBatch, SimpleResult]):
-    urgency = Urgency.ENDING
-    """A stream's transcript is awaited at its end, not while it is spoken (`SimpleScheduler`)."""
-
     def __init__(self, pool: RecognizerPool, config: AsrRunnerConfig | None = None) -> None:
         self.pool = pool
         self.config = config or AsrRunnerConfig()

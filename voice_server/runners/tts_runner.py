@@ -39,7 +39,6 @@ from voice_server.scheduling import (
     Runner,
     SimpleBatch,
     SimpleResult,
-    Urgency,
     WorkItem,
     WorkKind,
 )
@@ -92,9 +91,6 @@ class _Speech:
 
 
 class TTSRunner(Runner[SimpleBatch, SimpleResult]):
-    urgency = Urgency.FIRST_OUTPUT
-    """A reply's first clause is what its listener waits for; the later ones are ahead of the playout."""
-
     def __init__(self, engine: Synthesizer, config: TTSRunnerConfig | None = None) -> None:
         rate = engine.sample_rate
         if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 48000:

@@ -19,7 +19,7 @@ from voice_server.scheduling.base import (
 )
 from voice_server.scheduling.code2wav import Code2WavScheduler
 from voice_server.scheduling.contract import ARSpec, Code2WavSpec, SimpleBatch, SimpleResult
-from voice_server.scheduling.simple import SimpleScheduler, Urgency
+from voice_server.scheduling.simple import SimpleScheduler
 
 if TYPE_CHECKING:
     from voice_server.config import StageConfig
@@ -29,8 +29,7 @@ AnyRunner = Runner[Any, Any]
 
 
 def _build_simple(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
-    urgency = getattr(runner, "urgency", Urgency.ARRIVAL)
-    return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0, urgency)
+    return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0)
 
 
 def _build_ar(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
@@ -79,7 +78,6 @@ __all__ = [
     "SimpleBatch",
     "SimpleResult",
     "SimpleScheduler",
-    "Urgency",
     "WorkItem",
     "WorkKind",
 ]
