@@ -42,8 +42,7 @@ from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped
 
 __all__ = ["UNFINISHED_SCORE", "WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted",
-           "SpeechResumed",
-           "hypotheses_suggest_more", "words_suggest_more"]
+           "SpeechResumed", "hypotheses_suggest_more", "words_suggest_more"]
 
 WINDOW_MS = 32
 SPEECH_THRESHOLD = 0.5
