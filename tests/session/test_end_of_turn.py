@@ -92,12 +92,25 @@ def test_a_complete_turn_commits_once_scored_and_silent_long_enough() -> None:
     pause = speak(machine)
     speech_end = pause.speech_end_ms
     assert machine.now_ms - speech_end == 96 and machine.phase is Phase.PAUSED
-    assert machine.on_score(pause.token, 0.9) == []  # NOTE: 96 ms of silence < min_silence_ms
+    assert machine.on_score(pause.token, 0.8) == []  # NOTE: 96 ms of silence < min_silence_ms, 0.8 < sure
     events = run(machine, [0.0] * 5)
     (index, stopped), = events
     # NOTE: at the first window that makes the silence at least min_silence_ms.
     assert stopped == SpeechStopped(speech_end + windows(rules.min_silence_ms) * WINDOW_MS, speech_end)
     assert machine.phase is Phase.IDLE and machine.turn_start_ms is None
+
+
+def test_a_sure_score_commits_at_the_pause() -> None:
+    rules = EAGERNESS["medium"]
+    unsure, sure = EndOfTurn(SEMANTIC), EndOfTurn(SEMANTIC)
+    # NOTE: just under sure, the turn waits for min_silence_ms; at sure, it commits with no more silence.
+    pause = speak(unsure)
+    assert unsure.now_ms - pause.speech_end_ms < rules.min_silence_ms
+    assert unsure.on_score(pause.token, rules.sure_complete - 0.01) == [] and unsure.phase is Phase.PAUSED
+    pause = speak(sure)
+    (stopped,) = sure.on_score(pause.token, rules.sure_complete)
+    assert stopped == SpeechStopped(sure.now_ms, pause.speech_end_ms) and sure.phase is Phase.IDLE
+    assert sure.now_ms - pause.speech_end_ms == 96
 
 
 def test_a_late_score_commits_at_once() -> None:
@@ -129,7 +142,7 @@ def test_a_resumed_speaker_voids_the_pause_and_its_score() -> None:
     (_, second), = events
     assert isinstance(second, SilenceStarted) and second.token != pause.token
     assert second.speech_end_ms > pause.speech_end_ms
-    assert machine.on_score(second.token, 0.99) == []  # NOTE: 96 ms so far
+    assert machine.on_score(second.token, 0.8) == []  # NOTE: 96 ms so far
     stopped = run(machine, [0.0] * (windows(EAGERNESS["medium"].min_silence_ms) - 3))
     assert [type(e) for _, e in stopped] == [SpeechStopped]
 
@@ -138,7 +151,7 @@ def test_one_speech_window_in_a_pause_does_not_resume_it() -> None:
     machine = EndOfTurn(SEMANTIC)
     pause = speak(machine)
     assert run(machine, [0.9, 0.0]) == []  # NOTE: a click: 32 ms < the 64 ms that resume
-    assert machine.on_score(pause.token, 0.9) == [] and machine.phase is Phase.PAUSED
+    assert machine.on_score(pause.token, 0.8) == [] and machine.phase is Phase.PAUSED
     events = run(machine, [0.0] * 3)
     assert [type(e) for _, e in events] == [SpeechStopped]
 
@@ -154,6 +167,7 @@ def test_eagerness_orders_the_waits(eagerness: str) -> None:
     low, medium, high = EAGERNESS["low"], EAGERNESS["medium"], EAGERNESS["high"]
     assert low.max_silence_ms > medium.max_silence_ms > high.max_silence_ms
     assert low.min_complete > medium.min_complete > high.min_complete and EAGERNESS["auto"] == medium
+    assert low.sure_complete > medium.sure_complete > high.sure_complete > high.min_complete
 
 
 def test_reset_forgets_the_turn_and_a_later_turn_starts_after_it() -> None:

@@ -8,6 +8,7 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
     SPEAKING --(num_pause_windows non-speech in a row)--> PAUSED             emits SilenceStarted(token)
     PAUSED --(num_resume_windows speech in a row)--> SPEAKING                emits SpeechResumed
     PAUSED --(score >= min_complete and silence >= min_silence_ms)--> IDLE   emits SpeechStopped
+    PAUSED --(score >= sure_complete)--> IDLE                                emits SpeechStopped
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
 
 `OnsetHeard` comes a window or more before a turn could open (`num_start_windows` > 1): a reply playing
@@ -213,8 +214,10 @@ class EndOfTurn:
 
     def _decide(self) -> list[object]:
         silence_ms = self.now_ms - self.speech_end_ms
-        is_done = self.score is not None and self.score >= self.rules.min_complete
-        if silence_ms >= self.rules.max_silence_ms or (is_done and silence_ms >= self.rules.min_silence_ms):
+        score = -1.0 if self.score is None else self.score
+        is_done = score >= self.rules.sure_complete or (
+            score >= self.rules.min_complete and silence_ms >= self.rules.min_silence_ms)
+        if is_done or silence_ms >= self.rules.max_silence_ms:
             event = SpeechStopped(self.now_ms, self.speech_end_ms)
             self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0
             self.token += 1
