@@ -10,7 +10,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +63,16 @@ def shm_segments(launch_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"vs-{launch_id}-")]
 
 
+def wait_for(pred: Callable[[], T], timeout: float = 10.0, interval: float = 0.02) -> T:
+    """Poll `pred` every `interval` s until it returns something truthy or `timeout` s have passed;
+    returns its last value (falsy on timeout), so the caller asserts the precise condition itself.
+
+    Use it instead of sleeping a guessed time before an assertion on something that happens
+    asynchronously: `timeout` can then be generous without slowing the test down."""
+    deadline = time.monotonic() + timeout
+    while not (value := pred()) and time.monotonic() < deadline:
+        time.sleep(interval)
+    return value
 
 
 def _stat(pid: int | str) -> tuple[str, int] | None:

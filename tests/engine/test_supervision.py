@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from harness import CONFIGS, Pipeline, assert_start_fails, shm_segments
+from harness import CONFIGS, Pipeline, assert_start_fails, shm_segments, wait_for
 
 from voice_server.config import BudgetError, load_pipeline, pipeline_from_dict
 from voice_server.engine.coordinator import Coordinator, RequestError
@@ -81,12 +81,12 @@ def test_killed_stage_fails_its_requests_restarts_and_leaks_no_shm() -> None:
         assert [o.payload.get("index") for o in outputs[:-1]] == [0, 1, 2]
         np.testing.assert_array_equal(outputs[1].payload["frame"], signal_ok[4096:8192] * 2 + 1)
 
-        async def settle() -> dict[str, Any]:
-            await asyncio.sleep(0.05)
-            return await coordinator.stats()
+        def slots_free() -> dict[str, Any] | None:
+            stats = pipeline.run(coordinator.stats())
+            return stats if all(r.num_live_slots == 0 for r in stats.values()) else None
 
-        stats = pipeline.run(settle())
-        assert all(r.num_live_slots == 0 for r in stats.values())
+        stats = wait_for(slots_free) or pipeline.run(coordinator.stats())  # NOTE: slots free asynchronously
+        assert all(r.num_live_slots == 0 for r in stats.values()), stats
     finally:
         pipeline.close()
     assert shm_segments(coordinator.launch_id) == []

@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "loadtest"))
 from soak import soak  # noqa: E402
 
-GROSS_LEAK_MB = 100.0
+GROSS_LEAK_MB = 100.0  # NOTE: catches a gross leak only; whether memory is flat is `make soak`'s to judge
 
 
-def test_a_short_soak_keeps_descriptors_segments_and_memory_flat() -> None:
+def test_a_short_soak_keeps_descriptors_and_segments_flat_and_memory_under_a_gross_leak_bound() -> None:
     result = soak(ROOT / "configs" / "default.yaml", duration_s=30, num_sessions=4, warmup_s=12, sample_s=2,
                   turns_per_session=3)
     rows = {(row["metric"], row["process"]): row for row in result["rows"]}

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from harness import Pipeline, shm_segments
-from live_server import LiveServer, speech_pipeline
+from harness import Pipeline, shm_segments, wait_for
+from live_server import LiveServer, metric, speech_pipeline
 
 from voice_server.server.session_limits import SessionLimits
 
@@ -39,6 +39,41 @@ class SessionServer(LiveServer):
     def close(self) -> None:
         super().close()
         self.pipeline.close()
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def num_dropped(samples: Samples) -> float:
+    """Sessions the server closed on its own (idle, slow_client, shutdown), all endpoints."""
+    return sum(value for (name, _), value in samples.items() if name == "voice_server_sessions_dropped_total")
+
+
+def check_vanished_client_aborted(server: SessionServer, before: Samples) -> None:
+    """After a client vanished mid-reply (no close frame; `before`: the metrics before it asked for the
+    reply): the server noticed the connection end by itself, closed the session, which cancelled the
+    reply (a cancelled response in the metrics), and the reply's request left the stage.
+
+    NOTE: the waits are 3 s: the replies of these tests take 12 s to finish (400 words at 30 ms a step)
+    and a send to a client that stops reading gives up only after 10 s (`send_timeout_s`), so neither
+    the reply ending nor a send timing out can free the stage in time: only the disconnect can."""
+    server.wait_idle(timeout=3.0)
+
+    def num_cancelled(samples: Samples) -> float:
+        return metric(samples, "voice_server_responses_total", status="cancelled") - metric(
+            before, "voice_server_responses_total", status="cancelled")
+
+    def cancelled() -> Samples | None:
+        samples = server.metrics()
+        return samples if num_cancelled(samples) else None
+
+    after = wait_for(cancelled, timeout=3.0)
+    assert after is not None, "the vanished client's reply was not cancelled"
+    assert num_cancelled(after) == 1
+    assert metric(after, "voice_server_responses_total", status="completed") == metric(
+        before, "voice_server_responses_total", status="completed")
+    assert num_dropped(after) == num_dropped(before)  # NOTE: the client left; the server dropped no one
+    assert metric(after, "voice_server_inflight_requests") == 0
 
 
 def serve(pipeline: Pipeline | None = None, stage: str = "speech",

@@ -17,7 +17,7 @@ from live_server import (
     stream_audio,
 )
 from live_server import open_session as live_open_session
-from session_server import SessionServer
+from session_server import SessionServer, check_vanished_client_aborted
 from speech_signals import signal_of
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
@@ -117,12 +117,13 @@ def test_an_oversize_frame_closes_with_1009(server: SessionServer) -> None:
 
 
 def test_a_client_that_vanishes_mid_response_frees_the_stage(server: SessionServer) -> None:
-    ws = open_session(server, params={"sampling": {"max_tokens": 400}})
+    before = server.metrics()
+    ws = open_session(server, params={"sampling": {"max_tokens": 400}})  # NOTE: a reply of 12 s
     ws.send(json.dumps({"type": "text", "text": "go on forever"}))
     events_until(ws, "response_started")
     ws.recv(5)
     ws.socket.close()  # NOTE: no close frame: the TCP connection just ends
-    server.wait_idle()
+    check_vanished_client_aborted(server, before)
 
 
 def test_speaking_over_a_reply_that_is_still_playing_keeps_only_what_was_played(server: SessionServer) -> None:

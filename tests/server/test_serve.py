@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import is_alive, launch_of, shm_segments, stage_processes
+from harness import is_alive, launch_of, shm_segments, stage_processes, wait_gone
 from prometheus_client.parser import text_string_to_metric_families
 from serving import free_port
 
@@ -92,8 +92,7 @@ def test_serve_health_restart_and_clean_shutdown(stop_signal: int) -> None:
 
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=30) == 0  # NOTE: `serve` exits 0 after a stop signal
-        time.sleep(0.2)
-        assert [pid for pid in pids if is_alive(pid)] == []
+        assert wait_gone(pids, timeout=10) == []  # no stage process outlives the server
         assert shm_segments(launch_id) == []
     finally:
         if proc.poll() is None:
