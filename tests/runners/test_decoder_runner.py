@@ -14,14 +14,16 @@ from tiny_llama import tiny_llama
 
 from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import ConfigError
+from voice_server.engine.local import LocalOutcome, LocalRequest, LocalStage
 from voice_server.engine.runtime import StageContext
 from voice_server.models.llama import load_llama
 from voice_server.models.paged import PagedKVCache, build_attention_context, decode_kernel_usable
 from voice_server.models.quant import quantize_linear
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
+from voice_server.runners.detok import Detokenizer
 from voice_server.runners.row_plan import probe_counts, probe_row_plan
 from voice_server.runners.sizing import plan_kv_cache
-from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
+from voice_server.scheduling import AdmissionError, ARScheduler, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARSeq, SamplingParams
 from voice_server.stages.llm import create_llm
 
@@ -207,6 +209,53 @@ def test_execute_refuses_bad_batches(runner: DecoderRunner) -> None:
         runner.execute(ARBatch((ARSeq("a", (1,), 0, (runner.ar_spec.num_pages,), True, sp),)))
     with pytest.raises(ValueError, match="outside"):
         runner.execute(ARBatch((ARSeq("a", (1,), 512, tuple(range(129)), True, sp),)))
+
+
+class FeedingRunner(DecoderRunner):
+    """Streams data with each sampled token, as the thinker feeds its talker, and has none for a request
+    named `unfed*`: a step that samples one raises after it sampled (and, in batch order, decoded and
+    fed) its other sequences, as a feed out of device memory would."""
+
+    def _output_data(self, seq: ARSeq, token: int) -> dict[str, Any]:
+        if seq.request_id.startswith("unfed"):
+            raise RuntimeError(f"no feed for {seq.request_id}")
+        return {"feed": token}
+
+
+def _serve(model: Any, request: LocalRequest, unfed_steps: tuple[int, ...]) -> LocalOutcome:
+    """`request` under the AR scheduler (the stage's loop), with an `unfed*` request joining at each step
+    in `unfed_steps`, on a fresh runner (the same seed stream every time)."""
+    config = DecoderRunnerConfig(budget_bytes=120 * MIB, page_size=4, max_step_tokens=64, sampler_seed=5)
+    runner = FeedingRunner(model, None, config)
+    # NOTE: one byte per token: characters span tokens, so the detokenizer holds pending bytes.
+    runner.detok = Detokenizer([bytes([i]) for i in range(CFG.vocab_size)])
+    stage = LocalStage(ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=64), runner)
+    unfed = [LocalRequest(f"unfed{i}", {"token_ids": [9, 8, 7]}, {"sampling": {"temperature": 1.0}}, arrival_step=at)
+             for i, at in enumerate(unfed_steps)]
+    outcomes = stage.run([*unfed, request])
+    for other in unfed:
+        assert outcomes[other.request_id].error == f"RuntimeError: no feed for {other.request_id}"
+    return outcomes[request.request_id]
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "seed": 7}, {"temperature": 0.9, "top_k": 50}, {}],
+                         ids=["seeded", "unseeded", "greedy"])
+def test_a_request_rerun_after_a_step_failed_midway_streams_what_it_streams_undisturbed(
+    model: Any, sampling: dict[str, Any]
+) -> None:
+    """Steps that raise after sampling are rerun member by member (the scheduler's policy); the sampler's
+    generators, its seed stream and the detokenizer's pending bytes move only for steps that succeeded,
+    so the rerun request streams exactly the tokens and text of a run where nothing failed."""
+    prompt = _prompts(1, seed=4)["r0"]
+    request = LocalRequest("r", {"token_ids": prompt}, {"sampling": {**sampling, "max_tokens": 16}})
+    undisturbed = _serve(model, request, ())
+    # NOTE: at step 0 the unfed request is first in the batch (it fails before `r` is decoded); later
+    # ones come after `r`'s decode token (they fail after `r` was sampled, decoded and fed). The last
+    # fails the step that decodes `r`'s greedy token 200, a UTF-8 lead byte held pending.
+    disturbed = _serve(model, request, (0, 4, 9, 16))
+    assert undisturbed.error is None and disturbed.error is None
+    assert len(undisturbed.emits) == 17
+    assert [(e.kind, e.payload) for e in disturbed.emits] == [(e.kind, e.payload) for e in undisturbed.emits]
 
 
 def _new(payload: Any, params: Any = None, **kw: Any) -> WorkItem:

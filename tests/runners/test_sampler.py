@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from voice_server.models.llama.tokenizer import bytes_to_unicode
-from voice_server.runners.detok import Detokenizer, token_bytes_table
+from voice_server.runners.detok import Detokenizer, Piece, token_bytes_table
 from voice_server.runners.sampler import Sampler, apply_repetition_penalty, top_k_top_p_mask
 from voice_server.scheduling.contract import SamplingParams
 
@@ -79,6 +79,23 @@ def test_sampling_follows_the_distribution() -> None:
     assert torch.allclose(counts[:3] / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
 
 
+def test_a_draw_moves_no_state_until_committed() -> None:
+    """A step that raised after `draw` never commits it: the rerun draws the same noise, seeds included."""
+    logits = _logits(2, seed=5)
+    ids, params = ["seeded", "unseeded"], [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0)]
+    sampler = Sampler(seed=0)
+    first = sampler.draw(logits, ids, params, [(), ()])
+    assert sampler.generators == {}
+    again = sampler.draw(logits, ids, params, [(), ()])
+    assert torch.equal(first.token_ids, again.token_ids)
+    sampler.commit(again)
+    reference = Sampler(seed=0)  # NOTE: one committed step, as if the first draw had never been
+    assert torch.equal(reference.sample(logits, ids, params, [(), ()]), again.token_ids)
+    for _ in range(5):
+        step = [sampler.sample(logits, ids, params, [(), ()]), reference.sample(logits, ids, params, [(), ()])]
+        assert torch.equal(*step)
+
+
 def _byte_level_tokenizer() -> Tokenizer:
     """Single bytes plus a few merged tokens, so multi-byte characters split across tokens."""
     spelling = bytes_to_unicode()
@@ -106,3 +123,14 @@ def test_detok_emits_only_complete_characters() -> None:
     assert pieces[-2:] == ["🙂", "!"] and pieces[-5:-2] == ["", "", ""]
     detok.release("r")
     assert detok.step("r", 256) == "caf"
+
+
+def test_detok_decode_moves_no_state_until_committed() -> None:
+    detok = Detokenizer([bytes([i]) for i in range(256)])
+    first, second = "é".encode()
+    assert detok.step("r", first) == ""
+    assert detok.decode("r", first) == Piece("\ufffd", bytes([first]))  # a lead byte after a lead byte
+    piece = detok.decode("r", second)
+    assert piece == Piece("é", b"") and detok.pending["r"] == bytes([first])
+    detok.commit("r", piece)
+    assert detok.step("r", second) == "\ufffd"

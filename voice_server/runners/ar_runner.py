@@ -19,7 +19,7 @@ from voice_server.models.paged import AttentionContext, PagedKVCache, build_atte
 from voice_server.models.quant import LINEAR_TYPES
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.compiled import CompiledDecodeStep
-from voice_server.runners.detok import Detokenizer, token_bytes_table
+from voice_server.runners.detok import Detokenizer, Piece, token_bytes_table
 from voice_server.runners.row_plan import RowPlan, plan_rows
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import KVPlan, activation_reserve_bytes, plan_kv_cache, weight_bytes
@@ -259,22 +259,32 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         logits_rows = sampling_rows + [sampling_rows[-1]] * (num_logits_rows - len(sampling_rows))
         logits = self._forward(seqs, ids, positions, ctx, logits_rows)[: len(sampling_rows)]
         sampling = [s for s in seqs if s.is_sampling]
-        sampled = self.sampler.sample(
+        draw = self.sampler.draw(
             logits,
             [s.request_id for s in sampling],
             [s.sampling for s in sampling],
             # NOTE: the scheduler sets `history` exactly when the repetition penalty needs it.
             [s.history for s in sampling],
-        ).tolist()
-        outputs = []
-        it = iter(sampled)
+        )
+        it = iter(draw.token_ids.tolist())
+        outputs: list[SeqOutput] = []
+        pieces: list[tuple[ARSeq, Piece | None]] = []
         for seq in seqs:
             if not seq.is_sampling:
                 outputs.append(SeqOutput(None))
                 continue
             token = int(next(it))
-            text = self.detok.step(seq.request_id, token) if self.detok is not None else ""
+            piece = self.detok.decode(seq.request_id, token) if self.detok is not None else None
+            text = piece.text if piece is not None else ""
             outputs.append(SeqOutput(token, text, self._output_data(seq, token)))
+            pieces.append((seq, piece))
+        # NOTE: per-request state moves only now that nothing of the step can raise: a step that raised
+        # is re-run (its requests alone), and must then sample, decode and stream what it would have.
+        self.sampler.commit(draw)
+        for seq, piece in pieces:
+            if self.detok is not None and piece is not None:
+                self.detok.commit(seq.request_id, piece)
+            self._commit(seq)
         return ARResult(tuple(outputs))
 
     def _forward(
@@ -294,8 +304,12 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
         return self.model.forward_paged(input_ids, positions, ctx, rows)
 
     def _output_data(self, seq: ARSeq, token: int) -> dict[str, Any]:
-        """Extra outputs streamed with a sampled token (none for a plain text decoder)."""
+        """Extra outputs streamed with a sampled token (none for a plain text decoder). Changes no state:
+        `_commit` does, once the whole step succeeded."""
         return {}
+
+    def _commit(self, seq: ARSeq) -> None:
+        """Advance a sampled sequence's own state past this step, once the whole step succeeded."""
 
     def _check(self, batch: ARBatch) -> None:
         """Refuse a batch that would write outside the cache or past the model's positions."""

@@ -1,12 +1,14 @@
 """Incremental detokenisation for byte-level BPE vocabularies (GGUF `gpt2`, Llama 3, Qwen).
 
-Every token decodes to bytes; a request keeps an incremental UTF-8 decoder, so a character split
-across tokens is emitted once its last byte arrives, never as a replacement character mid-stream.
+Every token decodes to bytes; a request keeps the bytes of its incomplete last character, so a
+character split across tokens is emitted once its last byte arrives, never as a replacement character
+mid-stream. `decode` advances no state: a step keeps its pieces with `commit` once it succeeded.
 """
 
 from __future__ import annotations
 
 import codecs
+from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -35,20 +37,40 @@ def token_bytes_table(tokenizer: Tokenizer) -> list[bytes]:
     return table
 
 
+@dataclass(frozen=True)
+class Piece:
+    """What one token adds to a request's text, and the request's state after it."""
+
+    text: str
+    """Text that the token completes ("" while a character is still incomplete)."""
+    pending: bytes
+    """Bytes of the character still incomplete after the token (the request's state once committed)."""
+
+
 class Detokenizer:
     """Per-request incremental text of sampled tokens."""
 
     def __init__(self, table: list[bytes]) -> None:
         self.table = table
-        self.decoders: dict[str, codecs.IncrementalDecoder] = {}
+        self.pending: dict[str, bytes] = {}
+        # NOTE: one decoder for every request: `decode` loads a request's pending bytes into it first.
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def step(self, request_id: str, token_id: int) -> str:
-        """Text that `token_id` completes ("" while a character is still incomplete)."""
-        decoder = self.decoders.get(request_id)
-        if decoder is None:
-            decoder = self.decoders[request_id] = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        """Text that `token_id` completes, committed at once."""
+        piece = self.decode(request_id, token_id)
+        self.commit(request_id, piece)
+        return piece.text
+
+    def decode(self, request_id: str, token_id: int) -> Piece:
+        """What `token_id` adds to the request's text, leaving the request's state as it was."""
+        self._decoder.setstate((self.pending.get(request_id, b""), 0))
         data = self.table[token_id] if 0 <= token_id < len(self.table) else b""
-        return str(decoder.decode(data, final=False))
+        text = str(self._decoder.decode(data, final=False))
+        return Piece(text, bytes(self._decoder.getstate()[0]))
+
+    def commit(self, request_id: str, piece: Piece) -> None:
+        self.pending[request_id] = piece.pending
 
     def release(self, request_id: str) -> None:
-        self.decoders.pop(request_id, None)
+        self.pending.pop(request_id, None)

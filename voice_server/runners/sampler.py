@@ -3,13 +3,16 @@
 Order and semantics follow transformers: repetition penalty (over prompt and output ids), then for
 sampling rows temperature, top-k, top-p. Greedy rows take the argmax of the penalised logits.
 Each request draws from its own `torch.Generator` (seeded from `SamplingParams.seed`), so a seeded
-request gives the same tokens whatever else is in the batch.
+request gives the same tokens whatever else is in the batch. `draw` advances no state: a step keeps
+its draws with `commit` once it succeeded, so a step that raised and is re-run draws the same noise.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -69,6 +72,18 @@ def top_k_top_p_mask(logits: torch.Tensor, top_ks: Sequence[int], top_ps: Sequen
     return logits.masked_fill_(remove, float("-inf"))
 
 
+@dataclass(frozen=True)
+class Draw:
+    """One step's sampled ids, and the state they leave, for `Sampler.commit` once the step succeeded."""
+
+    token_ids: torch.Tensor
+    """[S] long, on the logits' device (the caller does `.tolist()`)."""
+    generators: tuple[tuple[str, torch.Generator], ...] = ()
+    """Request id -> its generator advanced past this step's draw (copies: the held ones are untouched)."""
+    seeds: random.Random | None = None
+    """The seed stream after seeding this step's new unseeded requests (None: none was new)."""
+
+
 class Sampler:
     """Picks one token per row of a logits batch; keeps each request's generator until `release`."""
 
@@ -95,13 +110,31 @@ class Sampler:
         params: Sequence[SamplingParams],
         histories: Sequence[Sequence[int]],
     ) -> torch.Tensor:
-        """logits [S, V] -> token ids [S] (long, on the logits' device; the caller does `.tolist()`)."""
+        """logits [S, V] -> token ids [S] (long, on the logits' device), committed at once."""
+        draw = self.draw(logits, request_ids, params, histories)
+        self.commit(draw)
+        return draw.token_ids
+
+    def commit(self, draw: Draw) -> None:
+        """Keep a step's draws: its requests' generators and the seed stream move past them."""
+        self.generators.update(draw.generators)
+        if draw.seeds is not None:
+            self._seeds = draw.seeds
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        request_ids: Sequence[str],
+        params: Sequence[SamplingParams],
+        histories: Sequence[Sequence[int]],
+    ) -> Draw:
+        """logits [S, V] -> token ids [S], leaving every held generator and the seed stream as they were."""
         logits = logits.float()
         apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params])
         greedy = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
-            return greedy
+            return Draw(greedy)
         device = logits.device
         row_index = torch.tensor(rows, dtype=torch.long, device=device)
         temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=device)
@@ -111,7 +144,21 @@ class Sampler:
         # NOTE: exponential race (argmax of p / E, E ~ Exp(1)) = a draw from p; one noise row per
         # request from its own generator, then a single vectorised argmax.
         noise = torch.empty_like(probs)
+        generators: list[tuple[str, torch.Generator]] = []
+        seeds: random.Random | None = None
         for j, i in enumerate(rows):
-            noise[j].exponential_(generator=self.generator(request_ids[i], params[i].seed, device))
+            # NOTE: each row draws from a copy of its request's generator (a new one seeds from a copy
+            # of the seed stream): the held state moves only at `commit`.
+            gen = torch.Generator(device=device)
+            held, seed = self.generators.get(request_ids[i]), params[i].seed
+            if held is not None:
+                gen.set_state(held.get_state())
+            elif seed is not None:
+                gen.manual_seed(seed)
+            else:
+                seeds = seeds or copy.copy(self._seeds)
+                gen.manual_seed(seeds.getrandbits(63))
+            noise[j].exponential_(generator=gen)
+            generators.append((request_ids[i], gen))
         sampled = (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
-        return greedy.index_copy_(0, row_index, sampled)
+        return Draw(greedy.index_copy_(0, row_index, sampled), tuple(generators), seeds)

@@ -157,7 +157,6 @@ class ThinkerRunner(DecoderRunner):
         feed: dict[str, Any] = {"embed": embed_tokens(torch.tensor([token], device=self.device))}
         prompt = self.prompts.get(seq.request_id)
         if prompt is not None and not prompt.is_prompt_sent:
-            prompt.is_prompt_sent = True
             hidden = self.shape.hidden_size
             feed.update(
                 prompt_ids=list(prompt.token_ids),
@@ -167,3 +166,10 @@ class ThinkerRunner(DecoderRunner):
                 tts_embeds=self.tts_embeds,
             )
         return {TALKER_FEED_KEY: feed}
+
+    def _commit(self, seq: ARSeq) -> None:
+        # NOTE: the prompt counts as sent only once the step that streamed it succeeded: a step that
+        # raised is re-run, and the first token must then carry the prompt again.
+        prompt = self.prompts.get(seq.request_id)
+        if self.feeds_talker and prompt is not None:
+            prompt.is_prompt_sent = True

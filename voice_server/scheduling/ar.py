@@ -18,6 +18,7 @@ from voice_server.scheduling.ar_request import Request
 from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
 from voice_server.scheduling.pages import PageAllocator, PageKey, PrefixCache
+from voice_server.scheduling.solo import SoloQueue
 
 
 class ARScheduler(BaseScheduler[ARBatch, ARResult]):
@@ -38,8 +39,9 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         self._is_stalled = False
         """The last `schedule` found nothing it could run; only new input or an exit changes that."""
         self.num_preemptions = 0
-        self._suspects: deque[str] = deque()
-        """Members of a step that raised, each to run one step alone before anything else."""
+        self._suspects: SoloQueue[str] = SoloQueue(lambda request_id: request_id)
+        """Members of a step that raised, each to run one step alone before anything else (ids of requests
+        that left since are skipped when their turn comes)."""
 
     # -- input -------------------------------------------------------------------------------------
 
@@ -132,8 +134,8 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
 
     def _schedule_suspect(self) -> ARBatch | None:
         """One step of the next suspect alone: a culprit then fails by itself, the others go on."""
-        while self._suspects:
-            request = self._requests.get(self._suspects.popleft())
+        while (request_id := self._suspects.pop()) is not None:
+            request = self._requests.get(request_id)
             if request is None or request not in self._running or request.num_ready_tokens == 0:
                 continue
             num = min(request.num_ready_tokens, self.max_step_tokens)
@@ -249,12 +251,11 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
     def fail(self, batch: ARBatch, message: str) -> list[Emit]:
         self._is_stalled = False
         held = [seq.request_id for seq in batch.seqs if seq.request_id in self._requests]
-        if len(held) > 1:
-            # NOTE: one bad request must not fail those batched with it. A step writes KV only at
-            # positions past each request's computed tokens (not advanced by a failed step), so
-            # rerunning is safe: each member runs one step alone first, and only a request whose
-            # solo step raises fails.
-            self._suspects.extend(held)
+        # NOTE: one bad request must not fail those batched with it (`SoloQueue`): each member runs one
+        # step alone first. Safe: a step writes KV only at positions past each request's computed tokens
+        # (not advanced by a failed step), and the runner commits sampler and detokenizer state only
+        # once a step succeeded.
+        if self._suspects.defer(held):
             return []
         emits = []
         for seq in batch.seqs:

@@ -17,7 +17,7 @@ final, then RESULT `{"num_samples", "num_frames"}` (totals; the PCM is not repea
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
@@ -27,6 +27,7 @@ from voice_server.scheduling.contract import (
     Code2WavResult,
     Code2WavSpec,
 )
+from voice_server.scheduling.solo import SoloQueue
 
 
 @dataclass
@@ -61,7 +62,7 @@ class Code2WavScheduler(BaseScheduler[Code2WavBatch, Code2WavResult]):
         self.chunk_frames = chunk_frames
         self._streams: OrderedDict[str, _Stream] = OrderedDict()
         """In service order: a stream moves to the back when a step takes its chunk."""
-        self._solo: deque[Code2WavChunk] = deque()
+        self._solo: SoloQueue[Code2WavChunk] = SoloQueue(lambda chunk: chunk.request_id)
         """Chunks of a batch that raised, each to re-run alone before anything else."""
         self.num_streams_done = 0
         self.num_frames_decoded = 0
@@ -102,8 +103,9 @@ class Code2WavScheduler(BaseScheduler[Code2WavBatch, Code2WavResult]):
         return None
 
     def schedule(self, now: float) -> Code2WavBatch | None:
-        if self._solo:
-            return Code2WavBatch((self._solo.popleft(),))
+        solo = self._solo.pop()
+        if solo is not None:
+            return Code2WavBatch((solo,))
         chunks: list[Code2WavChunk] = []
         for rid, stream in self._streams.items():
             chunk = self._next_chunk(rid, stream)
@@ -143,11 +145,9 @@ class Code2WavScheduler(BaseScheduler[Code2WavBatch, Code2WavResult]):
 
     def fail(self, batch: Code2WavBatch, message: str) -> list[Emit]:
         chunks = [c for c in batch.chunks if c.request_id in self._streams]
-        if len(chunks) > 1:
-            # NOTE: one bad stream must not fail the streams batched with it: re-run each chunk alone,
-            # before anything else. Re-running is safe: the runner commits stream state only after
-            # every forward of the step succeeded, so a raising step left every stream as it was.
-            self._solo.extendleft(reversed(chunks))
+        # NOTE: one bad stream must not fail the streams batched with it (`SoloQueue`): each chunk re-runs
+        # alone first. Safe: the runner commits stream state only after every forward of the step succeeded.
+        if self._solo.defer(chunks):
             return []
         for chunk in chunks:
             self.abort(chunk.request_id)
@@ -155,7 +155,7 @@ class Code2WavScheduler(BaseScheduler[Code2WavBatch, Code2WavResult]):
 
     def abort(self, request_id: str) -> bool:
         held = self._streams.pop(request_id, None) is not None
-        self._solo = deque(c for c in self._solo if c.request_id != request_id)
+        self._solo.discard(request_id)
         return held
 
     @property

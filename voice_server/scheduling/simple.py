@@ -11,6 +11,7 @@ from collections import deque
 
 from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SimpleBatch, SimpleResult
+from voice_server.scheduling.solo import SoloQueue
 
 
 class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
@@ -21,7 +22,7 @@ class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
         self.batch_window_s = batch_window_s
         self._queue: deque[tuple[float, WorkItem]] = deque()
         self._active: set[str] = set()
-        self._solo: deque[list[WorkItem]] = deque()
+        self._solo: SoloQueue[list[WorkItem]] = SoloQueue(lambda items: items[0].request_id)
         """One-request batches to run first: the members of a batch that raised, retried alone."""
 
     def add(self, item: WorkItem, now: float) -> None:
@@ -35,7 +36,7 @@ class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
         held = request_id in self._active
         self._active.discard(request_id)
         self._queue = deque(e for e in self._queue if e[1].request_id != request_id)
-        self._solo = deque(b for b in self._solo if b[0].request_id != request_id)
+        self._solo.discard(request_id)
         return held
 
     def next_wakeup(self, now: float) -> float | None:
@@ -48,8 +49,9 @@ class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
         return max(0.0, self._queue[0][0] + self.batch_window_s - now)
 
     def schedule(self, now: float) -> SimpleBatch | None:
-        if self._solo:
-            return SimpleBatch(tuple(self._solo.popleft()))
+        solo = self._solo.pop()
+        if solo is not None:
+            return SimpleBatch(tuple(solo))
         wait = self.next_wakeup(now)
         if wait is None or wait > 0:
             return None
@@ -72,10 +74,9 @@ class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
         for item in batch.items:
             if item.request_id in self._active:
                 by_request.setdefault(item.request_id, []).append(item)
-        if len(by_request) > 1:
-            # NOTE: one bad input must not fail the requests batched with it: retry each alone, in
-            # order, before anything else; only a request that fails on its own gets an error.
-            self._solo.extendleft(reversed(list(by_request.values())))
+        # NOTE: one bad input must not fail the requests batched with it (`SoloQueue`): each request's
+        # items are retried alone, in order, before anything else; only one that fails alone errors.
+        if self._solo.defer(list(by_request.values())):
             return []
         for request_id in by_request:
             self.abort(request_id)
