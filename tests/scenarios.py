@@ -4,6 +4,7 @@ exhausted on purpose): `run_scenario(name, nofile)` starts one and returns the J
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,15 @@ def run_scenario(name: str, nofile: int, timeout_s: float = 240) -> dict[str, An
 
 def num_open_fds(pid: int | str = "self") -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fd_targets(pid: int | str = "self") -> list[str]:
+    """What each open descriptor of `pid` is (a path, `socket:[...]`, `anon_inode:[eventfd]`...)."""
+    targets = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # NOTE: closed meanwhile
+            targets.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return sorted("socket" if t.startswith("socket:") else t for t in targets)
 
 
 def _numeric(**top: Any) -> Pipeline:
@@ -113,6 +124,7 @@ def burst() -> None:
     pipeline.collect({"signal": signals[0]})  # warm: every socket connected, every slab mapped
     pids = {h.name: h.pid for h in coordinator.launcher.handles.values()}
     fds_before = {"server": num_open_fds(), **{n: num_open_fds(p) for n, p in pids.items() if p}}
+    targets_before = {n: fd_targets(p) for n, p in pids.items() if p}
     counts = {"complete": 0, "gave_up": 0, "num_refusals": 0, "overload_later": 0, "wrong": 0, "other_error": 0}
     errors: list[str] = []
 
@@ -164,12 +176,106 @@ def burst() -> None:
         live_slots = {name: r.num_live_slots for name, r in after.items()}
         num_inflight = coordinator.num_inflight
         fds_after = {"server": num_open_fds(), **{n: num_open_fds(p) for n, p in pids.items() if p}}
+        # NOTE: on a mismatch, which descriptors came or went, to tell a leak from a late connection.
+        fds_changed = {n: dict(Counter(fd_targets(p)) - Counter(targets_before[n])) for n, p in pids.items()
+                       if p and fds_after[n] != fds_before[n]}
     finally:
         pipeline.close()
     print(json.dumps({
         **counts, "errors": errors[:5], "elapsed_s": elapsed, "generations": generations,
         "max_inflight_requests": limits.max_inflight_requests, "max_relay_segments": limits.max_relay_segments,
         "live_slots": live_slots, "num_inflight": num_inflight,
-        "fds_before": fds_before, "fds_after": fds_after,
+        "fds_before": fds_before, "fds_after": fds_after, "fds_changed": fds_changed,
         "shm_leftover": shm_segments(coordinator.launch_id),
     }))
+
+
+def _outcomes(pipeline: Pipeline, jobs: Any, timeout_s: float) -> dict[str, Any]:
+    """Run `jobs(counts, one)` against `pipeline` and count each request's outcome: complete (every
+    frame right), refused at submit, failed after admission (overload or other), wrong."""
+    coordinator = pipeline.coordinator
+    counts = {"complete": 0, "refused": 0, "overload_later": 0, "other_error": 0, "wrong": 0}
+    errors: list[str] = []
+
+    async def one(sig: np.ndarray) -> bool:
+        """One submission: True once it completed whole (False: refused, failed or wrong)."""
+        try:
+            stream = coordinator.submit({"signal": sig})
+        except OverloadError:
+            counts["refused"] += 1
+            return False
+        try:
+            outputs = [o async for o in stream]
+        except OverloadError as exc:
+            counts["overload_later"] += 1
+            errors.append(str(exc))
+            return False
+        except RequestError as exc:
+            counts["other_error"] += 1
+            errors.append(str(exc))
+            return False
+        frames = [o.payload["frame"] for o in outputs if not o.is_final]
+        want = [sig[j:j + 4096] * np.float32(2) + np.float32(1) for j in range(0, len(sig), 4096)]
+        is_whole = len(frames) == len(want) and all(np.array_equal(a, b) for a, b in zip(frames, want))
+        counts["complete" if is_whole else "wrong"] += 1
+        return is_whole
+
+    try:
+        start = time.monotonic()
+        pipeline.run(jobs(one), timeout=timeout_s)
+        elapsed = time.monotonic() - start
+        _wait(lambda: all(r.num_live_slots == 0 for r in pipeline.run(coordinator.stats()).values()), 30.0)
+        live_slots = {name: r.num_live_slots for name, r in pipeline.run(coordinator.stats()).items()}
+        limits = coordinator.limits
+        generations = {h.name: h.generation for h in coordinator.launcher.handles.values()}
+    finally:
+        pipeline.close()
+    return {**counts, "errors": sorted(set(errors))[:5], "elapsed_s": round(elapsed, 2),
+            "max_inflight_requests": limits.max_inflight_requests, "max_relay_segments": limits.max_relay_segments,
+            "live_slots": live_slots, "generations": generations, "shm_leftover": shm_segments(coordinator.launch_id)}
+
+
+def _burst_once(num_requests: int) -> None:
+    """`num_requests` submitted at once, none retried, on the default relay sizes: each is refused at
+    submit or completes; none may fail after admission."""
+    rng = np.random.default_rng(1)
+    signals = [rng.standard_normal(4096 * int(rng.integers(1, 64))).astype(np.float32) for _ in range(64)]
+    pipeline = _numeric()
+    pipeline.collect({"signal": signals[0]})  # warm: every socket connected, every slab mapped
+
+    async def jobs(one: Any) -> None:
+        await asyncio.gather(*(one(signals[i % len(signals)]) for i in range(num_requests)))
+
+    print(json.dumps(_outcomes(pipeline, jobs, timeout_s=300)))
+
+
+def burst_once_1024() -> None:
+    _burst_once(1024)
+
+
+def burst_once_2048() -> None:
+    _burst_once(2048)
+
+
+def resubmit_mib() -> None:
+    """64 workers, each submitting 1 MiB signals one after another (again at once after a refusal, after a
+    short pause), 4 completions each: refusals are expected, failures after admission are not."""
+    num_workers, num_each = 64, 4
+    sig = np.random.default_rng(2).standard_normal(1 << 18).astype(np.float32)  # 1 MiB, 64 relayed frames
+    pipeline = _numeric()
+    pipeline.collect({"signal": sig[:4096]})
+
+    async def worker(one: Any) -> None:
+        num_done = 0
+        for _ in range(2000):
+            if num_done == num_each:
+                return
+            if await one(sig):
+                num_done += 1
+            else:
+                await asyncio.sleep(0.01)
+
+    async def jobs(one: Any) -> None:
+        await asyncio.gather(*(worker(one) for _ in range(num_workers)))
+
+    print(json.dumps(_outcomes(pipeline, jobs, timeout_s=300)))

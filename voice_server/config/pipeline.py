@@ -128,6 +128,7 @@ PIPELINE_RULES: dict[str, Rule] = {
     "max_inflight_requests": Number(int, minimum=1, is_nullable=True),
     "max_relay_bytes": Number(int, minimum=1 << 16, is_nullable=True),
     "max_relay_segments": Number(int, minimum=1, is_nullable=True),
+    "max_relay_wait_s": Number(float, minimum=0.0),
     "request_timeout_s": Number(float, minimum=0.0, is_min_exclusive=True, is_nullable=True),
     "max_queued_outputs": Number(int, minimum=1),
     "restart_backoff_s": Number(float, minimum=0.0, is_min_exclusive=True),
@@ -170,6 +171,10 @@ class PipelineConfig:
     max_relay_segments: int | None = None
     """Live relay overflow segments per producer process (each holds a descriptor). null: sized from
     the descriptor limit."""
+    max_relay_wait_s: float = 5.0
+    """How long a stage waits for room in its full relay (its consumers' acks) before the output's
+    request fails as an overload. The stage serves nothing else meanwhile: a full relay means its
+    consumers are behind, and waiting is what lets admitted work complete instead of failing."""
     request_timeout_s: float | None = None
     """Default deadline of a request; past it the request fails and is aborted everywhere. null: none."""
     max_queued_outputs: int = 1024

@@ -312,6 +312,11 @@ class Coordinator:
                 self._dispatch(msg, refs)
             except Exception:
                 self._drop(f"coordinator failed to handle {type(msg).__name__}", exc_info=True)
+            if isinstance(msg, Output) and self._requests.is_backlogged(msg.request_id):
+                # NOTE: a ready message is received without yielding, so a stage streaming faster than this
+                # loop would keep the client from reading until its queue hit `max_queued_outputs`. Only
+                # then: yielding on every message would hand the loop to every other task (a retry storm).
+                await asyncio.sleep(0)
 
     def _drop(self, message: str, exc_info: bool = False) -> None:
         self.num_dropped_messages += 1

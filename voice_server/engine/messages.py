@@ -234,11 +234,12 @@ class Codec:
     as_torch: bool = False
     MAX_TAG: ClassVar[int] = len(_TYPES) - 1
 
-    def encode(self, msg: Message, consumer: str = "") -> bytes:
+    def encode(self, msg: Message, consumer: str = "", taken: list[int] | None = None) -> bytes:
+        """`msg` for `consumer`'s process (none: a broadcast); its relay slots are appended to `taken`."""
         cls = type(msg)
         values = [getattr(msg, name) for name in _FIELDS[cls]]
         slab = self.slab if consumer else None  # broadcasts never carry relay references
-        return pack([_TAGS[cls], *values], slab, consumer, self.inline_threshold)
+        return pack([_TAGS[cls], *values], slab, consumer, self.inline_threshold, taken)
 
     def decode(self, data: bytes) -> tuple[Message, list[ShmRef]]:
         try:

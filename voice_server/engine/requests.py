@@ -113,6 +113,11 @@ class RequestTable:
                 self._end(output.request_id, None)
         return True
 
+    def is_backlogged(self, request_id: str) -> bool:
+        """Whether the request's consumer has half of `max_queued_outputs` or more to read."""
+        request = self._requests.get(request_id)
+        return request is not None and 2 * request.queue.qsize() >= self.max_queued_outputs
+
     def live_check(self, request_id: str) -> Callable[[], bool]:
         """Whether this very request is still in flight (not a later one that reuses its id)."""
         state = self._requests[request_id]

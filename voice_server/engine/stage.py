@@ -30,7 +30,6 @@ from voice_server.engine.messages import (
     Message,
     MessageError,
     NewRequest,
-    Output,
     PeerDown,
     Probe,
     Progress,
@@ -42,10 +41,11 @@ from voice_server.engine.messages import (
     StreamDone,
     acks_for,
 )
+from voice_server.engine.routing import route
 from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
 from voice_server.logs import flush_rate_limits
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion
-from voice_server.scheduling import CapacityError, Emit, EmitKind, WorkItem, WorkKind
+from voice_server.scheduling import CapacityError, Emit, WorkItem, WorkKind
 
 if TYPE_CHECKING:
     from voice_server.engine.process import ProcessSpec
@@ -169,14 +169,49 @@ class StageShell:
         for emit in emits:
             if emit.request_id in failed:
                 continue
-            try:
-                self._route(runtime, emit)
-            except (TypeError, ValueError, OverflowError, RelayFullError, OSError) as exc:
-                # NOTE: an output msgpack cannot carry, or no relay room left (bytes, segments,
-                # descriptors), fails that request only; the latter as a retryable overload.
-                log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, exc)
-                self._fail_request(runtime, emit.request_id, f"output cannot be sent: {exc}", is_exhaustion(exc))
+            error = self._route_or_wait(runtime, emit)
+            if error is not None:
+                log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, error)
+                self._fail_request(runtime, emit.request_id, f"output cannot be sent: {error}", is_exhaustion(error))
                 failed.add(emit.request_id)
+
+    def _route_or_wait(self, runtime: StageRuntime, emit: Emit) -> Exception | None:
+        """Send what `emit` becomes, waiting up to `max_relay_wait_s` for room in a full relay; the error
+        that fails its request instead (an output msgpack cannot carry, no room in time, no descriptors)."""
+        deadline: float | None = None
+        while emit.request_id not in self._aborted:  # NOTE: an abort may come in while it waits
+            planned = route(self.cfg, runtime, emit)
+            try:
+                self._send_all(planned.messages)
+            except RelayFullError as exc:
+                now = time.monotonic()
+                deadline = deadline if deadline is not None else now + self.cfg.max_relay_wait_s
+                if now >= deadline:
+                    return RelayFullError(f"{exc}, still after {self.cfg.max_relay_wait_s:g} s (max_relay_wait_s)")
+                # NOTE: back-pressure: room comes back with the consumers' acks. Meanwhile this stage
+                # reads its sockets (acks, aborts, new work for later) but runs nothing.
+                if self.poller.poll(max(1, min(50, math.ceil((deadline - now) * 1000)))):
+                    self._drain(self.sub)
+                    self._drain(self.inbox)
+                continue
+            except (TypeError, ValueError, OverflowError, OSError) as exc:
+                return exc
+            planned.commit(runtime)
+            if planned.is_final:
+                self._ack(runtime.forget(emit.request_id))
+            return None
+        return None
+
+    def _send_all(self, messages: tuple[tuple[str, Message], ...]) -> None:
+        """Encode every message, then send them all; if one cannot be encoded, none is sent."""
+        taken: list[int] = []
+        try:
+            frames = [(process, self.codec.encode(msg, consumer=process, taken=taken)) for process, msg in messages]
+        except BaseException:
+            self.slab.discard(taken)  # NOTE: the messages encoded before the failing one are never sent
+            raise
+        for process, data in frames:
+            self._peers.get(process).send(data)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(_MAX_DRAIN):
@@ -308,37 +343,6 @@ class StageShell:
         self._ack(runtime.forget(request_id))
 
     # -- output routing --------------------------------------------------------------------------
-
-    def _route(self, runtime: StageRuntime, emit: Emit) -> None:
-        stage, rid = runtime.cfg, emit.request_id
-        if emit.kind is EmitKind.ERROR:
-            self._send(ipc.COORDINATOR, Failure(rid, stage.name, emit.message))
-            self._ack(runtime.forget(rid))
-            return
-        params = runtime.params.get(rid, {})
-        sent = runtime.num_chunks_sent.setdefault(rid, {})
-        timings = runtime.timings.setdefault(rid, {})
-        timings.setdefault(stage.name, time.monotonic())  # NOTE: this stage's first output for the request
-        for target in stage.stream_to:
-            if target not in sent:  # open the downstream stream even if it will stay empty
-                self._send_stage(target, NewRequest(rid, target, {}, params, is_stream=True, timings=timings))
-                sent[target] = 0
-            if emit.kind is EmitKind.STREAM:
-                self._send_stage(target, StreamChunk(rid, target, sent[target], emit.payload, timings))
-                sent[target] += 1
-            else:
-                self._send_stage(target, StreamDone(rid, target, sent[target]))
-        if emit.kind is EmitKind.RESULT and stage.next is not None:
-            self._send_stage(stage.next, NewRequest(rid, stage.next, emit.payload, params, timings=timings))
-        if stage.terminal:
-            # NOTE: `_`-keys are for downstream stages only (e.g. the thinker's talker feed): not the client's.
-            payload = {k: v for k, v in emit.payload.items() if not k.startswith("_")}
-            self._send(ipc.COORDINATOR, Output(rid, stage.name, emit.is_final, payload, timings))
-        if emit.is_final:
-            self._ack(runtime.forget(rid))
-
-    def _send_stage(self, stage: str, msg: Message) -> None:
-        self._send(self.cfg.stage(stage).process_name, msg)
 
     def _send(self, process: str, msg: Message) -> None:
         self._peers.get(process).send(self.codec.encode(msg, consumer=process))

@@ -62,9 +62,11 @@ def decode_inline(data: bytes, as_torch: bool) -> np.ndarray | torch.Tensor:
 
 
 def pack(
-    obj: object, slab: ProducerTransport | None, consumer: str, inline_threshold: int = DEFAULT_INLINE_THRESHOLD
+    obj: object, slab: ProducerTransport | None, consumer: str, inline_threshold: int = DEFAULT_INLINE_THRESHOLD,
+    taken: list[int] | None = None,
 ) -> bytes:
-    """Encode dicts/lists/tuples/scalars/str/bytes/None with tensors inline or in `slab` for `consumer`."""
+    """Encode dicts/lists/tuples/scalars/str/bytes/None with tensors inline or in `slab` for `consumer`.
+    The slots the message holds are appended to `taken`, for a caller that may drop the message unsent."""
 
     slot_ids: list[int] = []
 
@@ -80,11 +82,14 @@ def pack(
         raise TypeError(f"cannot encode {type(x).__name__} in a relay message")
 
     try:
-        return msgpack.packb(obj, default=default)
+        data = msgpack.packb(obj, default=default)
     except BaseException:
         if slab is not None:
             slab.discard(slot_ids)  # NOTE: the message is never sent, so nobody else would free these.
         raise
+    if taken is not None:
+        taken.extend(slot_ids)
+    return data
 
 
 class RelayReadError(Exception):
