@@ -182,24 +182,56 @@ def test_a_turn_longer_than_max_audio_seconds_is_refused(runner: AsrRunner) -> N
         runner.admit(chunk("long", 10, second[:1]))
 
 
-def test_all_decoders_lent_refuses_a_new_request_as_capacity_and_release_returns_them(runner: AsrRunner) -> None:
+def test_all_decoders_lent_a_new_turn_waits_for_one_and_release_returns_them(runner: AsrRunner) -> None:
     audio = speech(SENTENCES[0])
     run(runner, [new_stream("a"), new_stream("b"), chunk("a", 0, audio[:8000]), chunk("b", 0, audio[:16000])])
     assert runner.stats()["num_free_decoders"] == 0
-    with pytest.raises(CapacityError, match=r"all 2 speech decoders are busy \(factory_args.max_streams\)"):
-        runner.admit(new_stream("c"))
-    assert runner.stats()["num_busy_refusals"] >= 1
+    # NOTE: a third and a fourth turn wait (as many as the pool's maximum), a fifth is refused.
+    pieces = chunks(audio, 100)
+    waiting = [new_stream("c"), *(chunk("c", i, p) for i, p in enumerate(pieces[:5]))]
+    assert run(runner, [*waiting, new_stream("d")]) == []  # NOTE: no decoder yet: no partials
+    with pytest.raises(CapacityError, match=r"all 2 speech decoders are busy and 2 turns wait for one"):
+        runner.admit(new_stream("e"))
+    stats = runner.stats()
+    assert stats["num_busy_refusals"] >= 1 and stats["num_waiting"] == 2 and stats["num_waits"] >= 2
     runner.release("a")  # aborted mid-utterance: its decoder ends the utterance and is lent again
+    # NOTE: the first waiting turn takes it at its next chunk and decodes what it kept, first.
+    emits = run(runner, [*(chunk("c", i, p) for i, p in enumerate(pieces) if i >= 5), done("c", len(pieces))])
+    assert runner.stats()["num_waiting"] == 1
+    waited = emits[-1].payload["input_transcript"]
+    runner.release("c")
     runner.release("b")
-    assert runner.stats()["num_free_decoders"] == 2
-    # A decoder given back mid-utterance transcribes the next turn as a fresh one does.
-    transcripts = []
-    for rid in ("c", "d", "e"):
-        pieces = chunks(audio, 100)
+    runner.release("d")  # NOTE: aborted while it waited: it held no decoder
+    assert runner.stats()["num_free_decoders"] == 2 and runner.stats()["num_waiting"] == 0
+    # A decoder given back mid-utterance transcribes the next turn as a fresh one does, and a turn that
+    # waited as a turn that never did.
+    transcripts = [waited]
+    for rid in ("f", "g", "h"):
         emits = run(runner, [new_stream(rid), *(chunk(rid, i, p) for i, p in enumerate(pieces)),
                              done(rid, len(pieces))])
         transcripts.append(emits[-1].payload["input_transcript"])
     assert len(set(transcripts)) == 1 and word_error_rate(SENTENCES[0], transcripts[0]) <= MAX_WER
+
+
+def test_a_turn_that_ends_while_it_waits_gets_a_decoder_built_within_the_budget(runner: AsrRunner) -> None:
+    audio = speech(SENTENCES[1])
+    pieces = chunks(audio, 100)
+    run(runner, [new_stream("a"), new_stream("b")])
+    turn = [new_stream("c"), *(chunk("c", i, p) for i, p in enumerate(pieces)), done("c", len(pieces))]
+    # NOTE: the pool may not grow (at its maximum): the turn fails alone, saying why.
+    [failed] = run(runner, turn)
+    assert failed.kind is EmitKind.ERROR and "no more fit the stage's memory budget" in failed.message
+    runner.release("c")
+    grown = AsrRunner(DecoderPool(1, max_decoders=2))
+    run(grown, [new_stream("a")])
+    [final] = run(grown, turn)
+    assert final.kind is EmitKind.RESULT and word_error_rate(SENTENCES[1], final.payload["input_transcript"]) <= MAX_WER
+    stats = grown.stats()
+    assert stats["num_grown"] == 1 and stats["num_decoders"] == 2 and stats["num_waiting"] == 0
+    for rid in ("a", "b", "c"):
+        runner.release(rid)
+        grown.release(rid)
+    assert grown.stats()["num_free_decoders"] == 2
 
 
 def test_the_thinker_takes_the_asr_result_as_its_request(runner: AsrRunner) -> None:

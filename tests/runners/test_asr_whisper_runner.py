@@ -106,19 +106,26 @@ def test_an_empty_turn_is_an_empty_transcript(runner: AsrRunner) -> None:
     assert final.payload == {"input_transcript": "", "messages": [{"role": "user", "content": ""}]}
 
 
-def test_all_buffers_lent_refuse_a_new_request_and_an_aborted_turn_leaves_nothing_behind(runner: AsrRunner) -> None:
+def test_all_buffers_lent_a_turn_waits_and_an_aborted_turn_leaves_nothing_behind(runner: AsrRunner) -> None:
     audio = speech(SENTENCES[0])
     items_a, items_b = turn("a", audio), turn("b", audio)
     run(runner, [items_a[0], items_b[0], *items_a[1:40], *items_b[1:80]])
     assert runner.stats()["num_free_decoders"] == 0
-    with pytest.raises(CapacityError, match=r"all 2 speech decoders are busy \(factory_args.max_streams\)"):
-        runner.admit(turn("c", audio)[0])
+    items_w = turn("w", audio, chunk_ms=100)
+    assert run(runner, items_w[:-1]) == [] and runner.stats()["num_waiting"] == 1
+    runner.admit(turn("x", audio)[0])  # NOTE: the second waits too (the pool's maximum is 2)...
+    with pytest.raises(CapacityError, match=r"all 2 speech decoders are busy and 2 turns wait for one"):
+        runner.admit(turn("c", audio)[0])  # NOTE: ...and the third is refused
     assert runner.stats()["num_busy_refusals"] >= 1
     runner.release("a")  # aborted mid-turn: its buffered audio is dropped
-    runner.release("b")
-    assert runner.stats()["num_free_decoders"] == 2
-    transcripts = [[e for e in run(runner, turn(rid, audio, chunk_ms=100)) if e.is_final][0]
-                   .payload["input_transcript"] for rid in ("c", "d", "e")]
+    # NOTE: the waiting turn's end takes the decoder given back and transcribes all it kept.
+    [waited] = [e for e in run(runner, items_w[-1:]) if e.is_final]
+    for rid in ("b", "w", "x"):
+        runner.release(rid)
+    assert runner.stats()["num_free_decoders"] == 2 and runner.stats()["num_waiting"] == 0
+    transcripts = [waited.payload["input_transcript"]] + [
+        [e for e in run(runner, turn(rid, audio, chunk_ms=100)) if e.is_final][0].payload["input_transcript"]
+        for rid in ("c", "d", "e")]
     assert len(set(transcripts)) == 1 and word_error_rate(SENTENCES[0], transcripts[0]) <= MAX_WER
 
 

@@ -161,15 +161,18 @@ class SphinxRecognizer:
 
 
 class DecoderPool:
-    """`num_decoders` decoders built at construction; `acquire` lends a free one (None when all are lent)."""
+    """`num_decoders` decoders built at construction; `acquire` lends a free one (None when all are lent),
+    `grow` builds one more, up to `max_decoders`."""
 
     def __init__(
         self, num_decoders: int, options: DecoderOptions | None = None, name: str = "asr",
-        progress: Callable[[str], None] | None = None,
+        progress: Callable[[str], None] | None = None, max_decoders: int | None = None,
     ) -> None:
-        """`progress` hears each start-up step (the stage's `ctx.progress`); by default they are logged."""
+        """`progress` hears each start-up step (the stage's `ctx.progress`); by default they are logged.
+        `max_decoders` (default `num_decoders`: no growth) bounds `grow`."""
         if isinstance(num_decoders, bool) or not isinstance(num_decoders, int) or num_decoders < 1:
             raise ValueError(f"DecoderPool.num_decoders: must be an integer >= 1, got {num_decoders!r}")
+        self.max_decoders = num_decoders if max_decoders is None else max(num_decoders, max_decoders)
         self.options = options or DecoderOptions()
         self.name = name
         report = progress or (lambda phase: log.info("stage %s: %s", name, phase))
@@ -198,6 +201,16 @@ class DecoderPool:
 
     def acquire(self) -> SphinxRecognizer | None:
         return self._free.pop() if self._free else None
+
+    def grow(self) -> SphinxRecognizer | None:
+        if self.num_decoders >= self.max_decoders:
+            return None
+        started = time.monotonic()
+        recognizer = SphinxRecognizer(self._build(), self._initial_cmn)
+        self.num_decoders += 1
+        log.info("stage %s: built speech decoder %d of at most %d in %.2f s (every one was busy)", self.name,
+                 self.num_decoders, self.max_decoders, time.monotonic() - started)
+        return recognizer
 
     def give_back(self, recognizer: Recognizer, is_in_utterance: bool) -> None:
         """Return a lent decoder; an utterance still open (an aborted stream) is ended first."""

@@ -36,15 +36,23 @@ class Recognizer(Protocol):
 
 
 class RecognizerPool(Protocol):
-    """Recognisers built before the stage reports ready; `acquire` lends a free one (None when all are lent)."""
+    """Recognisers built before the stage reports ready; `acquire` lends a free one (None when all are lent),
+    `grow` builds and lends one more while the pool is under `max_decoders` (its memory budget)."""
 
     @property
     def num_decoders(self) -> int: ...
 
     @property
+    def max_decoders(self) -> int: ...
+
+    @property
     def num_free(self) -> int: ...
 
     def acquire(self) -> Recognizer | None: ...
+
+    def grow(self) -> Recognizer | None:
+        """One more recogniser, lent at once; None at `max_decoders`. May take a while (a PocketSphinx decoder
+        takes 0.3-0.9 s to build), so only for a turn that cannot wait longer."""
 
     def give_back(self, recognizer: Recognizer, is_in_utterance: bool) -> None:
         """Return a lent recogniser; an utterance still open (an aborted stream) is dropped first."""

@@ -23,9 +23,13 @@ A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and 
 is transcribed on its own and becomes `{"role": "user", "content": transcript}`; RESULT `{"input_transcript":
 <the last transcript, "" if none>, "messages": [...]}` (messages without audio pass unchanged).
 
-Each request borrows one recogniser ("decoder") from the stage's pool from admission until it leaves the stage; with
-all of them lent a new request is refused alone as an overload (`CapacityError`). Malformed input refuses
-its request alone (`asr_input.py`). A batch may hold items of several requests, in arrival order.
+Each request borrows one recogniser ("decoder") from the stage's pool until it leaves the stage. With all of
+them lent, a streamed turn waits for one (first come, first served): its audio is kept and fed once it has
+one, so more people speaking at once than there are decoders lose no turn. A turn that ends still waiting,
+and a whole request that finds none free, get one more built (`RecognizerPool.grow`, within the stage's
+memory budget); past that they are refused alone as an overload (`CapacityError`), as are streamed turns
+beyond as many waiting as the pool's maximum. Malformed input refuses its request alone (`asr_input.py`). A
+batch may hold items of several requests, in arrival order.
 """
 
 from __future__ import annotations
@@ -66,8 +70,17 @@ class AsrRunnerConfig:
 
 @dataclass
 class _Request:
-    recognizer: Recognizer
+    recognizer: Recognizer | None
+    """None while a streamed turn waits for a free one."""
     is_stream: bool
+    pending: list[WorkItem] = dataclasses.field(default_factory=list)
+    """A waiting turn's NEW and CHUNK items, run in order once it has a recogniser."""
+
+    @property
+    def lent(self) -> Recognizer:
+        """The recogniser of a request that has one (every request the runner runs items of)."""
+        assert self.recognizer is not None
+        return self.recognizer
     messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
     """A stream's history, transcribed (its turn is appended at the end)."""
     num_samples: int = 0
@@ -82,7 +95,10 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
         self.pool = pool
         self.config = config or AsrRunnerConfig()
         self._requests: dict[str, _Request] = {}
-        self._counters = {"num_utterances": 0, "end_utt_us_total": 0, "end_utt_us_max": 0, "num_busy_refusals": 0}
+        self._waiting: dict[str, None] = {}
+        """Streamed turns waiting for a recogniser, in arrival order."""
+        self._counters = {"num_utterances": 0, "end_utt_us_total": 0, "end_utt_us_max": 0, "num_busy_refusals": 0,
+                          "num_waits": 0, "num_grown": 0}
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -111,12 +127,40 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             raise AdmissionError(f"payload: unknown field(s) {', '.join(unknown)} (only 'messages')")
         messages = messages_with_audio(payload.get("messages", [] if item.is_stream else None),
                                        self.config.max_num_samples, is_empty_allowed=item.is_stream)
-        recognizer = self.pool.acquire()  # NOTE: last: a refusal above must not hold a decoder
-        if recognizer is None:
+        # NOTE: last: a refusal above must not hold a decoder. A turn queued behind waiting ones waits too.
+        recognizer = None if item.is_stream and self._waiting else self.pool.acquire()
+        if recognizer is None and not item.is_stream:
+            recognizer = self._grow()
+        if recognizer is None and (not item.is_stream or len(self._waiting) >= self.pool.max_decoders):
             self._counters["num_busy_refusals"] += 1
-            raise CapacityError(f"all {self.pool.num_decoders} speech decoders are busy (factory_args.max_streams)")
+            raise CapacityError(f"all {self.pool.num_decoders} speech decoders are busy and "
+                                f"{len(self._waiting)} turns wait for one (factory_args.max_streams, memory_fraction)")
         self._requests[item.request_id] = _Request(recognizer, item.is_stream)
+        if recognizer is None:
+            self._waiting[item.request_id] = None
+            self._counters["num_waits"] += 1
         return dataclasses.replace(item, payload={"messages": messages})
+
+    def _grow(self) -> Recognizer | None:
+        recognizer = self.pool.grow()
+        self._counters["num_grown"] += recognizer is not None
+        return recognizer
+
+    def _lend(self, rid: str, request: _Request, is_ending: bool) -> bool:
+        """Give a waiting turn a recogniser if one is free and none waits before it (or, for a turn that has
+        ended, one more built), and run the items it kept; False: it goes on waiting."""
+        if next(iter(self._waiting)) != rid:
+            recognizer = self._grow() if is_ending else None
+        else:
+            recognizer = self.pool.acquire() or (self._grow() if is_ending else None)
+        if recognizer is None:
+            return False
+        del self._waiting[rid]
+        request.recognizer = recognizer
+        pending, request.pending = request.pending, []
+        for item in pending:
+            self._run(item, request)
+        return True
 
     # -- execution -------------------------------------------------------------------------------
 
@@ -143,32 +187,38 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             if emit is not None:
                 touched.pop(rid, None)  # NOTE: the final transcript supersedes a partial
                 emits.append(emit)
-            elif item.kind is WorkKind.CHUNK:
+            elif item.kind is WorkKind.CHUNK and request.recognizer is not None:
                 touched[rid] = None
         for rid in touched:
             request = self._requests[rid]
-            text = request.recognizer.partial()
+            text = request.lent.partial()
             if text is not None and text != request.partial:
                 request.partial = text
                 emits.append(Emit(rid, EmitKind.STREAM, {"input_transcript_partial": text}))
         return SimpleResult(tuple(emits))
 
     def _run(self, item: WorkItem, request: _Request) -> Emit | None:
+        if request.recognizer is None and not self._lend(item.request_id, request, item.kind is WorkKind.DONE):
+            if item.kind is WorkKind.DONE:
+                raise CapacityError(f"the turn ended while all {self.pool.num_decoders} speech decoders were busy "
+                                    "and no more fit the stage's memory budget (memory_fraction)")
+            request.pending.append(item)
+            return None
         if item.kind is WorkKind.NEW:
             messages, transcript = self._transcribe_messages(item.payload["messages"], request)
             if not request.is_stream:
                 return Emit(item.request_id, EmitKind.RESULT, {"input_transcript": transcript, "messages": messages})
             request.messages = messages
-            request.recognizer.start()
+            request.lent.start()
             request.is_in_utterance = True
             return None
         if item.kind is WorkKind.CHUNK:
-            request.recognizer.feed(item.payload["pcm"])
+            request.lent.feed(item.payload["pcm"])
             return None
         text = self._end_utterance(request)
         messages = [*request.messages, {"role": "user", "content": text}]
         payload: dict[str, Any] = {"input_transcript": text, "messages": messages}
-        confident, alternatives = request.recognizer.confident_text(), request.recognizer.alternatives()
+        confident, alternatives = request.lent.confident_text(), request.lent.alternatives()
         if confident is not None:
             payload["input_transcript_confident"] = confident
         if alternatives:
@@ -185,16 +235,16 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             if "pcm" not in message:
                 messages.append(message)
                 continue
-            request.recognizer.start()  # NOTE: each clip is transcribed as if it came alone
+            request.lent.start()  # NOTE: each clip is transcribed as if it came alone
             request.is_in_utterance = True
-            request.recognizer.feed(message["pcm"], is_whole=True)
+            request.lent.feed(message["pcm"], is_whole=True)
             transcript = self._end_utterance(request)
             messages.append({"role": "user", "content": transcript})
         return messages, transcript
 
     def _end_utterance(self, request: _Request) -> str:
         started = time.perf_counter()
-        text = request.recognizer.finish()  # NOTE: Whisper's whole transcription happens here
+        text = request.lent.finish()  # NOTE: Whisper's whole transcription happens here
         end_utt_us = int((time.perf_counter() - started) * 1e6)
         request.is_in_utterance = False
         counters = self._counters
@@ -207,9 +257,10 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
 
     def release(self, request_id: str) -> None:
         request = self._requests.pop(request_id, None)
-        if request is not None:
+        self._waiting.pop(request_id, None)
+        if request is not None and request.recognizer is not None:
             self.pool.give_back(request.recognizer, request.is_in_utterance)
 
     def stats(self) -> dict[str, int]:
         return {"num_decoders": self.pool.num_decoders, "num_free_decoders": self.pool.num_free,
-                "num_requests": len(self._requests), **self._counters}
+                "num_requests": len(self._requests), "num_waiting": len(self._waiting), **self._counters}

@@ -109,12 +109,13 @@ class WhisperPool:
 
     def __init__(
         self, num_decoders: int, options: WhisperOptions | None = None, name: str = "asr",
-        progress: Callable[[str], None] | None = None,
+        progress: Callable[[str], None] | None = None, max_decoders: int | None = None,
     ) -> None:
         """Loads and warms the model (`WhisperUnavailable` without the `whisper` extra); `progress` hears
-        each start-up step (the stage's `ctx.progress`)."""
+        each start-up step (the stage's `ctx.progress`). `max_decoders` (default `num_decoders`) bounds `grow`."""
         if isinstance(num_decoders, bool) or not isinstance(num_decoders, int) or num_decoders < 1:
             raise ValueError(f"WhisperPool.num_decoders: must be an integer >= 1, got {num_decoders!r}")
+        self.max_decoders = num_decoders if max_decoders is None else max(num_decoders, max_decoders)
         self.options = options or WhisperOptions()
         self.name = name
         report = progress or (lambda phase: log.info("stage %s: %s", name, phase))
@@ -151,6 +152,12 @@ class WhisperPool:
 
     def acquire(self) -> WhisperRecognizer | None:
         return self._free.pop() if self._free else None
+
+    def grow(self) -> WhisperRecognizer | None:
+        if self.num_decoders >= self.max_decoders:
+            return None
+        self.num_decoders += 1  # NOTE: an audio buffer: the model is shared
+        return WhisperRecognizer(self)
 
     def give_back(self, recognizer: Recognizer, is_in_utterance: bool) -> None:
         """Return a lent recogniser; the audio of an aborted turn is dropped."""

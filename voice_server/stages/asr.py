@@ -10,9 +10,10 @@ factory_args (all optional):
 - `engine` (pocketsphinx): `pocketsphinx` decodes while the user speaks (partials, ~10 ms at the end of a
   turn); `whisper` (tiny.en, the `whisper` extra: `pip install 'voice-server[whisper]'`) is more robust to
   a noisy microphone but transcribes the whole turn when it ends (~0.3 s on one core) and gives no partials.
-- `max_streams` (16): requests held at once (pocketsphinx: one decoder each, all built and warmed before
-  the stage reports ready, ~0.25 s and ~90 MB each; whisper: one audio buffer each, one shared model);
-  one more is refused alone as an overload.
+- `max_streams` (16): recognisers built before the stage reports ready (pocketsphinx: one decoder each,
+  ~0.25 s and ~90 MB each; whisper: one audio buffer each, one shared model). With all of them lent, a new
+  turn waits for one while its user speaks; a turn that ends still waiting gets one more built, up to what
+  the stage's memory budget (`memory_fraction`) holds; beyond, it is refused alone as an overload.
 - `max_audio_seconds` (60): the longest turn (or a whole request's audio); longer is refused alone.
 - `fwdflat` (false, pocketsphinx only): PocketSphinx's second search pass at the end of each utterance
   (~50 ms more latency before the thinker can start, for no measured accuracy gain on synthetic speech).
@@ -45,6 +46,16 @@ MAX_THREADS = 64
 DEFAULT_MAX_STREAMS = 16
 MAX_STREAMS_LIMIT = 1024
 """A sanity bound: each PocketSphinx decoder holds ~90 MB."""
+DECODER_BYTES = 90 << 20
+"""What one PocketSphinx decoder holds (its acoustic model, language model and search), measured."""
+
+
+def max_decoders(ctx: StageContext, max_streams: int, bytes_each: int) -> int:
+    """How many recognisers the stage's memory budget holds (never fewer than `max_streams`; no more without
+    a budget, as for a stage built outside a launch)."""
+    if ctx.budget_bytes is None:
+        return max_streams
+    return max(max_streams, min(MAX_STREAMS_LIMIT, ctx.budget_bytes // bytes_each))
 MAX_HMMS_LIMIT = 1_000_000
 
 
@@ -72,7 +83,7 @@ def create_asr(ctx: StageContext) -> AsrRunner:
         raise fail(where, "factory_args.max_audio_seconds", f"must be a number > 0, got {show(max_seconds)}")
     config = AsrRunnerConfig(float(max_seconds))
     if engine == "whisper":
-        return AsrRunner(_whisper_pool(ctx, where, max_streams, args), config)
+        return AsrRunner(_whisper_pool(ctx, where, max_streams, args, 4 * config.max_num_samples), config)
     is_fwdflat: Any = args.get("fwdflat", False)
     if not isinstance(is_fwdflat, bool):
         raise fail(where, "factory_args.fwdflat", f"must be true or false, got {show(is_fwdflat)}")
@@ -84,14 +95,17 @@ def create_asr(ctx: StageContext) -> AsrRunner:
              max_streams, "on" if is_fwdflat else "off", max_hmms)
     try:
         options = DecoderOptions(is_fwdflat=is_fwdflat, max_hmms_per_frame=max_hmms)
-        pool = DecoderPool(max_streams, options, stage.name, ctx.progress)
+        most = max_decoders(ctx, max_streams, DECODER_BYTES)
+        pool = DecoderPool(max_streams, options, stage.name, ctx.progress, most)
     except RuntimeError as exc:  # NOTE: PocketSphinx's own error for a model it cannot load
         raise ConfigError(f"{where}: cannot build a speech decoder: {exc}") from exc
     log.info("stage %s: %d decoders ready in %.2f s", stage.name, max_streams, pool.load_s)
     return AsrRunner(pool, config)
 
 
-def _whisper_pool(ctx: StageContext, where: str, max_streams: int, args: dict[str, Any]) -> RecognizerPool:
+def _whisper_pool(
+    ctx: StageContext, where: str, max_streams: int, args: dict[str, Any], buffer_bytes: int,
+) -> RecognizerPool:
     num_threads = args.get("num_threads", 1)
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads <= MAX_THREADS:
         raise fail(where, "factory_args.num_threads", f"must be an integer in [1, {MAX_THREADS}], "
@@ -99,7 +113,8 @@ def _whisper_pool(ctx: StageContext, where: str, max_streams: int, args: dict[st
     log.info("stage %s: loading Whisper tiny.en (int8, %d threads) for %d streams", ctx.stage.name, num_threads,
              max_streams)
     try:
-        pool = WhisperPool(max_streams, WhisperOptions(num_threads=num_threads), ctx.stage.name, ctx.progress)
+        pool = WhisperPool(max_streams, WhisperOptions(num_threads=num_threads), ctx.stage.name, ctx.progress,
+                           max_decoders(ctx, max_streams, buffer_bytes))
     except WhisperUnavailable as exc:
         raise fail(where, "factory_args.engine", f"'whisper' needs the whisper extra ({exc}): "
                    "pip install 'voice-server[whisper]'") from exc
