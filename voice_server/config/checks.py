@@ -1,15 +1,18 @@
 """Environment checks: what can be known about a valid config on this host without starting anything.
 
-`check_environment` runs them all (`check-config` does; `serve` can before it spawns). One function
+`check_environment` runs them all (`check-config` and, before it starts anything, `serve`). One function
 per rule, each raising a one-line `ConfigError` that names the stage or pipeline and the field:
 
 - every stage's `factory` resolves: its module imports and has the callable (not called);
-- every stage's `scheduler` is implemented (`voice_server.scheduling.SCHEDULER_BUILDERS`);
 - the relay slabs fit in `/dev/shm`;
 - with `control_transport: tcp`, `tcp_host` is an address this host can bind;
 - every `cuda:N` a stage names is a CUDA device this host has (skippable: a GPU config can be checked
   on a laptop or in CI, everything but the devices);
 - with `turn_detection: semantic_vad`, the end-of-turn model files are installed.
+
+NOTE: that every stage's `scheduler` is implemented is checked next to the scheduler registry
+(`voice_server/scheduling/__init__.py: check_schedulers`): the config package does not depend on the
+schedulers, which depend on it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ from typing import Any
 
 from voice_server.config.errors import fail, one_line
 from voice_server.config.pipeline import PipelineConfig, StageConfig
-from voice_server.scheduling import SCHEDULER_BUILDERS
 
 SHM_DIR = "/dev/shm"
 """Where relay slabs live (the same directory as `voice_server.relay.shm.SHM_DIR`, which pulls in numpy
@@ -51,15 +53,6 @@ def resolve_factory(stage: StageConfig) -> Callable[..., Any]:
 def check_factories(cfg: PipelineConfig) -> None:
     for stage in cfg.stages:
         resolve_factory(stage)
-
-
-def check_schedulers(cfg: PipelineConfig) -> None:
-    for stage in cfg.stages:
-        if stage.scheduler not in SCHEDULER_BUILDERS:
-            raise fail(
-                f"stage '{stage.name}'", "scheduler",
-                f"'{stage.scheduler}' is not implemented yet (implemented: {', '.join(sorted(SCHEDULER_BUILDERS))})",
-            )
 
 
 def check_shm(cfg: PipelineConfig, shm_dir: str = SHM_DIR) -> None:
@@ -144,7 +137,6 @@ def check_environment(cfg: PipelineConfig, *, is_import_allowed: bool = True, is
     their factories anyway, and fail on a missing device when they place their weights.
     `is_device_check=False` skips only the GPU count (`check-config --skip-device-check`).
     """
-    check_schedulers(cfg)
     check_tcp_host(cfg)
     check_shm(cfg)
     check_turn_models(cfg)

@@ -4,6 +4,12 @@ The producer starts an asynchronous `isend` of the tensor's bytes and returns a 
 plane; the consumer posts the matching `recv` (same tag) into a fresh buffer. The producer keeps the
 source bytes alive until the consumer acks the ref's `slot_id` (its tag), which also reaps the send.
 The caller initialises the process group (`init_process_group`, e.g. `tcp://host:port`) beforehand.
+
+NOTE: not used by the engine yet: no config field selects it, nothing initialises a process group, and no
+stage or the coordinator creates a sender or receiver (the shared-memory relay, `voice_server/relay/shm.py`,
+is the only data plane). Only the codec knows its `DistRef`. It is kept, with its test
+(`tests/relay/test_dist.py`, gloo on 127.0.0.1), for the multi-host relay work (issue #23); what it has and
+has not been run under is in docs/ARCHITECTURE.md, "Data plane: the relay".
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from voice_server.config.errors import fail
 from voice_server.scheduling.ar import ARScheduler
 from voice_server.scheduling.base import (
     AdmissionError,
@@ -22,7 +23,7 @@ from voice_server.scheduling.contract import ARSpec, Code2WavSpec, SimpleBatch, 
 from voice_server.scheduling.simple import SimpleScheduler
 
 if TYPE_CHECKING:
-    from voice_server.config import StageConfig
+    from voice_server.config import PipelineConfig, StageConfig
 
 AnyScheduler = BaseScheduler[Any, Any]
 AnyRunner = Runner[Any, Any]
@@ -60,8 +61,24 @@ SCHEDULER_BUILDERS: dict[str, Callable[[StageConfig, AnyRunner], AnyScheduler]] 
 }
 """Implemented scheduler types by config name: the single source of truth for `create_scheduler` (which
 builds from it, after the runner, since a scheduler may be sized by its runner: KV pages) and
-`check-config` (which refuses the rest). A config may name a type that is valid but not yet here
+`check_schedulers` (which refuses the rest). A config may name a type that is valid but not yet here
 (`config.pipeline.SCHEDULERS`); it becomes usable when its builder is added."""
+
+
+def check_schedulers(cfg: PipelineConfig) -> None:
+    """Every stage's `scheduler` is implemented: a one-line ConfigError naming the first stage whose is not.
+
+    NOTE: here, next to the registry, and not among the config's environment checks
+    (`voice_server/config/checks.py`): the schedulers depend on the config package, never the reverse.
+    `check-config` (`voice_server/cli.py`, also run before `serve` and `ask` start) calls it beside
+    `check_environment`; a stage process refuses the same names when it builds its scheduler
+    (`voice_server/engine/runtime.py: create_scheduler`)."""
+    for stage in cfg.stages:
+        if stage.scheduler not in SCHEDULER_BUILDERS:
+            raise fail(
+                f"stage '{stage.name}'", "scheduler",
+                f"'{stage.scheduler}' is not implemented yet (implemented: {', '.join(sorted(SCHEDULER_BUILDERS))})",
+            )
 
 __all__ = [
     "SCHEDULER_BUILDERS",
@@ -80,4 +97,5 @@ __all__ = [
     "SimpleScheduler",
     "WorkItem",
     "WorkKind",
+    "check_schedulers",
 ]

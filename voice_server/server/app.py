@@ -35,6 +35,7 @@ from voice_server.server.metrics import CONTENT_TYPE_LATEST, Metrics
 from voice_server.server.session_limits import SessionLimits
 from voice_server.server.sessions import AbortHandleMiddleware, SessionGate
 from voice_server.server.web import WebFiles, default_web_dir
+from voice_server.session.connection import MetricsSource, SessionAdmission
 from voice_server.session.native import native_ws
 from voice_server.session.realtime.endpoint import realtime_ws
 from voice_server.session.semantic_vad import shared_models
@@ -61,10 +62,15 @@ def create_app(
               WebSocketRoute("/v1/realtime", realtime_ws), WebSocketRoute("/twilio/media", twilio_ws),
               Mount("/", WebFiles(web_dir or default_web_dir()))]
     app = Starlette(routes=routes, middleware=[Middleware(AbortHandleMiddleware)])
-    app.state.coordinator = coordinator
-    app.state.metrics = Metrics()
-    app.state.metrics.watch(coordinator)
-    app.state.sessions = SessionGate(limits or SessionLimits(), app.state.metrics, lambda: coordinator.is_ready)
+    app_metrics = Metrics()
+    app_metrics.watch(coordinator)
+    gate = SessionGate(limits or SessionLimits(), app_metrics, lambda: coordinator.is_ready)
+    # NOTE: the endpoints (`voice_server/session/`) never import the server: they see these through the app's
+    # state as the Protocols of `voice_server/session/connection.py`; the annotations make mypy check that the
+    # server's classes conform.
+    sessions: SessionAdmission = gate
+    tracking: MetricsSource = app_metrics
+    app.state.coordinator, app.state.metrics, app.state.sessions = coordinator, tracking, sessions
     app.state.twilio = twilio or TwilioSettings()
     if getattr(getattr(coordinator, "cfg", None), "turn_detection", None) == "semantic_vad":
         # NOTE: the end-of-turn models (~0.3 s) load while the stages do, not in the first session's turn.

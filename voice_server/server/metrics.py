@@ -150,7 +150,8 @@ class Metrics:
 
 
 class ConnectionMetrics:
-    """One connection's bookkeeping between its events (see the module docstring for the calls)."""
+    """One connection's bookkeeping between its events (see the module docstring for the calls); the endpoints
+    see it as `ConnectionTracker` (`voice_server/session/connection.py`)."""
 
     def __init__(self, metrics: Metrics, endpoint: str) -> None:
         self.metrics, self.endpoint = metrics, endpoint

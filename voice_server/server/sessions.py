@@ -100,7 +100,8 @@ class SessionGate:
 
 
 class SessionGuard:
-    """One admitted session's connection: receive with the idle timeout, sends with the send timeout."""
+    """One admitted session's connection: receive with the idle timeout, sends with the send timeout; the
+    endpoints see it as `ConnectionGuard` (`voice_server/session/connection.py`)."""
 
     def __init__(self, gate: SessionGate, websocket: WebSocket, endpoint: str) -> None:
         self.gate, self.websocket, self.endpoint = gate, websocket, endpoint

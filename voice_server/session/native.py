@@ -20,10 +20,10 @@ bad message afterwards gets an `error` event and the session goes on; frames ove
 limit close with 1009 (uvicorn). Whenever the connection ends the running response is aborted in
 every stage.
 
-Admission, limits and metrics are the app's (`SessionGate`, `voice_server/server/sessions.py`; `Metrics`,
-`voice_server/server/metrics.py`): auth and origin refusals close 1008, a pipeline not ready or
-`max_sessions` reached closes 1013, idle sessions close 1000, a client that stops reading is dropped,
-shutdown closes 1001.
+Admission, limits and metrics are the app's (`app.state.sessions` and `.metrics`, seen here as the Protocols
+of `voice_server/session/connection.py`; the server's `SessionGate` and `Metrics` implement them): auth and
+origin refusals close 1008, a pipeline not ready or `max_sessions` reached closes 1013, idle sessions close
+1000, a client that stops reading is dropped, shutdown closes 1001.
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
-from voice_server.server.metrics import ConnectionMetrics
-from voice_server.server.sessions import SessionGuard
 from voice_server.session.config import SessionConfig
+from voice_server.session.connection import ConnectionGuard, ConnectionTracker, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -124,7 +123,7 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
 class NativeConnection:
     """One `/ws` connection: receive loop -> `Session`, its events -> the socket (one sender at a time)."""
 
-    def __init__(self, websocket: WebSocket, guard: SessionGuard, metrics: ConnectionMetrics) -> None:
+    def __init__(self, websocket: WebSocket, guard: ConnectionGuard, metrics: ConnectionTracker) -> None:
         self.websocket, self.guard, self.metrics = websocket, guard, metrics
         self._send_lock = asyncio.Lock()
         self.is_open = True
@@ -226,10 +225,12 @@ class NativeConnection:
 
 async def native_ws(websocket: WebSocket) -> None:
     state = websocket.app.state
-    guard = await state.sessions.admit(websocket, ENDPOINT)
+    sessions: SessionAdmission = state.sessions
+    metrics: MetricsSource = state.metrics
+    guard = await sessions.admit(websocket, ENDPOINT)
     if guard is None:
         return  # NOTE: refused (auth, origin, not ready, full, shutting down): closed and counted
     try:
-        await NativeConnection(websocket, guard, state.metrics.track(ENDPOINT)).serve(state.coordinator)
+        await NativeConnection(websocket, guard, metrics.track(ENDPOINT)).serve(state.coordinator)
     finally:
         await guard.release()

@@ -37,8 +37,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voice_server.server.metrics import ConnectionMetrics
-from voice_server.server.sessions import SessionGuard
+from voice_server.session.connection import ConnectionGuard, ConnectionTracker, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -106,7 +105,9 @@ def _pieces(event: SessionEvent, rate: int) -> list[SessionEvent]:
 class RealtimeConnection:
     """One `/v1/realtime` connection: client events -> `Session`, its events -> the socket via `Bridge`."""
 
-    def __init__(self, websocket: WebSocket, coordinator: Any, guard: SessionGuard, metrics: ConnectionMetrics) -> None:
+    def __init__(
+        self, websocket: WebSocket, coordinator: Any, guard: ConnectionGuard, metrics: ConnectionTracker,
+    ) -> None:
         self.websocket, self.guard, self.metrics = websocket, guard, metrics
         # NOTE: a new session's turn detection is the pipeline's default (the client may change it).
         kind = coordinator.cfg.turn_detection
@@ -317,14 +318,16 @@ _HANDLERS: dict[type, Callable[[RealtimeConnection, Any], Awaitable[None]]] = {
 
 async def realtime_ws(websocket: WebSocket) -> None:
     # NOTE: auth (`Authorization: Bearer` or the browsers' `openai-insecure-api-key.<key>` subprotocol),
-    # origin, readiness and the session limit are the gate's (`voice_server/server/sessions.py`).
+    # origin, readiness and the session limit are the gate's (`app.state.sessions`, a `SessionAdmission`).
     state = websocket.app.state
+    sessions: SessionAdmission = state.sessions
+    metrics: MetricsSource = state.metrics
     subprotocol = choose_subprotocol(websocket.scope.get("subprotocols", ()))
-    guard = await state.sessions.admit(websocket, ENDPOINT, subprotocol=subprotocol)
+    guard = await sessions.admit(websocket, ENDPOINT, subprotocol=subprotocol)
     if guard is None:
         return
     try:
-        await RealtimeConnection(websocket, state.coordinator, guard, state.metrics.track(ENDPOINT)).serve()
+        await RealtimeConnection(websocket, state.coordinator, guard, metrics.track(ENDPOINT)).serve()
     finally:
         await guard.release()
 

@@ -33,9 +33,8 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voice_server.server.metrics import ConnectionMetrics
-from voice_server.server.sessions import SessionGuard
 from voice_server.session.config import SessionConfig
+from voice_server.session.connection import ConnectionGuard, ConnectionTracker, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -111,7 +110,7 @@ class TwilioConnection:
     """One Twilio stream: the guard's messages -> `Session`; its events -> frames (one sender at a time)."""
 
     def __init__(
-        self, websocket: WebSocket, settings: TwilioSettings, guard: SessionGuard, metrics: ConnectionMetrics,
+        self, websocket: WebSocket, settings: TwilioSettings, guard: ConnectionGuard, metrics: ConnectionTracker,
     ) -> None:
         self.websocket, self.settings, self.gate_guard, self.metrics = websocket, settings, guard, metrics
         self.guard = TwilioStreamGuard()
@@ -294,16 +293,18 @@ class TwilioConnection:
 
 async def twilio_ws(websocket: WebSocket) -> None:
     state = websocket.app.state
+    sessions: SessionAdmission = state.sessions
+    metrics: MetricsSource = state.metrics
     settings = getattr(state, "twilio", None) or TwilioSettings()
-    if settings.token is None and state.sessions.limits.auth_token is not None:
+    if settings.token is None and sessions.limits.auth_token is not None:
         # NOTE: the server's token protects calls too; Twilio carries it in `start.customParameters`.
-        settings = dataclasses.replace(settings, token=state.sessions.limits.auth_token)
+        settings = dataclasses.replace(settings, token=sessions.limits.auth_token)
     # NOTE: no bearer check at the handshake: Twilio sends no header of ours; `start` is checked instead.
-    guard = await state.sessions.admit(websocket, ENDPOINT, is_bearer_auth=False)
+    guard = await sessions.admit(websocket, ENDPOINT, is_bearer_auth=False)
     if guard is None:
         return
     try:
-        await TwilioConnection(websocket, settings, guard, state.metrics.track(ENDPOINT)).serve(state.coordinator)
+        await TwilioConnection(websocket, settings, guard, metrics.track(ENDPOINT)).serve(state.coordinator)
     finally:
         await guard.release()
 
