@@ -97,7 +97,8 @@ def test_a_malformed_chunk_fails_its_turn_alone_while_another_turn_completes(asr
         assert good.input is not None and bad.input is not None
         bad.input.send({"audio": np.zeros(320, np.float32)})
         bad.input.send({"audio": np.zeros(320, np.float64)})
-        with pytest.raises(RequestError, match=r"stage 'asr': refused: payload.audio: must be 1-D float32") as info:
+        refused = r"stage 'asr': refused: payload.audio: must be 1-D int16 or float32"
+        with pytest.raises(RequestError, match=refused) as info:
             [o async for o in bad]
         assert not isinstance(info.value, OverloadError)
         assert not bad.input.send({"audio": np.zeros(320, np.float32)})  # the turn is over: nothing is sent
@@ -173,3 +174,30 @@ def test_bad_factory_args_name_the_field(factory_args: dict[str, Any], field: st
     ctx = StageContext(cfg.stages[0], cfg, None, "test")
     with pytest.raises(ConfigError, match=rf"stage 'asr': field '{field}': .*{match}"):
         create_asr(ctx)
+
+
+def test_the_conversation_goes_to_the_next_stage_and_not_back_to_the_client() -> None:
+    raw = asr_config()
+    raw["stages"][0]["next"] = "thinker"
+    raw["stages"].append({"name": "thinker", "factory": "text_stages:create_scripted_text", "scheduler": "ar",
+                          "terminal": True, "memory_fraction": 0.01})
+    pipeline = Pipeline(pipeline_from_dict(raw))
+    text = SENTENCES[1]
+    try:
+        async def scenario() -> list[Any]:
+            stream = pipeline.coordinator.submit({"messages": HISTORY}, stream_input=True)
+            assert stream.input is not None
+            for piece in chunks(speech(text), 100):
+                stream.input.send({"audio": piece})
+            stream.input.end()
+            return [o async for o in stream]
+
+        outputs = pipeline.run(scenario())
+    finally:
+        pipeline.close()
+    [final] = [o for o in outputs if o.stage == "asr" and o.is_final]
+    transcript = final.payload["input_transcript"]
+    assert "messages" not in final.payload and word_error_rate(text, transcript) <= MAX_WER
+    # NOTE: the scripted thinker says the last user message it got: the transcript, via `messages`.
+    [reply] = [o for o in outputs if o.stage == "thinker" and o.is_final]
+    assert reply.payload["text"].strip() == transcript.strip()

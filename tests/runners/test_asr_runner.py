@@ -135,14 +135,15 @@ def test_a_streamed_turn_transcribes_untranscribed_audio_in_its_history(runner: 
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "assistant", "audio": np.zeros(9, np.float32)}]}),
      r"messages\[0\].audio: only user messages"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": np.zeros(9)}]}),
-     r"messages\[0\].audio: must be 1-D float32"),
+     r"messages\[0\].audio: must be 1-D int16 or float32"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": np.zeros(10 * 16000 + 1, np.float32)}]}),
      r"messages\[0\].audio: 160001 samples is too long"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": np.ones(9, np.float32), "content": "x"}]}),
      r"either audio or content"),
-    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": "x"}]}), r"audio: must be a float32"),
+    (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "audio": "x"}]}),
+     r"audio: must be an int16 or float32"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "content": "", "audio": None}]}, is_stream=True),
-     r"messages\[0\].audio: must be a float32 numpy array, got NoneType"),
+     r"messages\[0\].audio: must be an int16 or float32 numpy array, got NoneType"),
     (WorkItem("r", WorkKind.NEW, {"messages": "hi"}, is_stream=True), r"payload.messages: must be a list"),
     (WorkItem("r", WorkKind.CHUNK, {"audio": np.zeros(9, np.float32)}), r"not a streamed turn"),
 ])
@@ -155,11 +156,11 @@ def test_malformed_input_is_refused_naming_the_field_and_holds_no_decoder(
 
 
 @pytest.mark.parametrize(("payload", "match"), [
-    ({"audio": np.zeros(320, np.float64)}, r"payload.audio: must be 1-D float32.*float64"),
-    ({"audio": np.zeros((2, 160), np.float32)}, r"payload.audio: must be 1-D float32.*\[2, 160\]"),
+    ({"audio": np.zeros(320, np.float64)}, r"payload.audio: must be 1-D int16 or float32.*float64"),
+    ({"audio": np.zeros((2, 160), np.float32)}, r"payload.audio: must be 1-D int16 or float32.*\[2, 160\]"),
     ({"audio": np.array([0.0, np.nan], np.float32)}, r"payload.audio: has non-finite values"),
     ({"audio": np.array([np.inf], np.float32)}, r"payload.audio: has non-finite values"),
-    ({"audio": [0.0, 0.1]}, r"payload.audio: must be a float32 numpy array, got list"),
+    ({"audio": [0.0, 0.1]}, r"payload.audio: must be an int16 or float32 numpy array, got list"),
     ({"pcm": b"\0\0"}, r"chunk payload: must be \{'audio'"),
     ("audio", r"chunk payload: must be \{'audio'"),
 ])
@@ -326,3 +327,14 @@ def test_the_words_rule_flags_hesitations_on_the_final_and_its_alternatives_not_
     print(flagged)
     assert sum(flagged[text][0] for text in halves) >= 5, flagged
     assert not any(flagged[text][0] for text in complete), flagged
+
+
+def test_int16_chunks_as_a_session_streams_them_transcribe_as_float32_ones(runner: AsrRunner) -> None:
+    pieces = chunks(speech(SENTENCES[2]), 20)
+    transcripts = []
+    for rid, form in (("f32", lambda p: p), ("i16", float32_to_pcm16)):
+        emits = run(runner, [new_stream(rid), *(chunk(rid, i, form(p)) for i, p in enumerate(pieces)),
+                             done(rid, len(pieces))])
+        transcripts.append(emits[-1].payload["input_transcript"])
+        runner.release(rid)
+    assert transcripts[0] == transcripts[1] and word_error_rate(SENTENCES[2], transcripts[0]) <= MAX_WER

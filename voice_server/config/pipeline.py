@@ -146,7 +146,7 @@ class PipelineConfig:
     """Stage that receives new requests; defaults to the first stage."""
     stream_input: bool = False
     """The entry stage takes a spoken turn while the user speaks (a transcriber): the session opens
-    the turn's request at speech start and streams its audio (`{"audio"}` chunks, 16 kHz float32),
+    the turn's request at speech start and streams its audio (`{"audio"}` chunks, 16 kHz int16),
     ending the stream at the end of the turn. False: a request carries whole turns."""
     turn_detection: str = "server_vad"
     """Turn detection of a session whose client names none (`/ws` without `turn_detection`, a new

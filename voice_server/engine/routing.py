@@ -56,7 +56,9 @@ def route(cfg: PipelineConfig, runtime: StageRuntime, emit: Emit) -> Route:
         messages.append((cfg.stage(stage.next).process_name,
                          NewRequest(rid, stage.next, emit.payload, params, timings=timings)))
     if stage.terminal:
-        # NOTE: `_`-keys are for downstream stages only (e.g. the thinker's talker feed): not the client's.
-        payload = {k: v for k, v in emit.payload.items() if not k.startswith("_")}
+        # NOTE: `_`-keys are for downstream stages only (e.g. the thinker's talker feed), and the runner's
+        # `next_only_keys` for its `next` stage: not the client's.
+        hidden = runtime.runner.next_only_keys if stage.next is not None else frozenset()
+        payload = {k: v for k, v in emit.payload.items() if not k.startswith("_") and k not in hidden}
         messages.append((COORDINATOR, Output(rid, stage.name, emit.is_final, payload, timings)))
     return Route(rid, tuple(messages), sent, emit.is_final)

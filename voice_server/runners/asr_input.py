@@ -22,14 +22,17 @@ MAX_CHARS = 1 << 20
 
 
 def pcm16(where: str, value: Any, max_num_samples: int) -> bytes:
-    """16-bit native-order PCM bytes of a float32 1-D array of at most `max_num_samples` samples."""
+    """16-bit native-order PCM bytes of a 1-D array of at most `max_num_samples` samples: int16 (what a session
+    streams, taken as it is) or float32 in [-1, 1]."""
     if not isinstance(value, np.ndarray):
-        raise AdmissionError(f"{where}: must be a float32 numpy array, got {type(value).__name__}")
-    if value.dtype != np.float32 or value.ndim != 1:
-        raise AdmissionError(f"{where}: must be 1-D float32 (16 kHz mono), got {value.dtype} of shape "
+        raise AdmissionError(f"{where}: must be an int16 or float32 numpy array, got {type(value).__name__}")
+    if value.dtype not in (np.int16, np.float32) or value.ndim != 1:
+        raise AdmissionError(f"{where}: must be 1-D int16 or float32 (16 kHz mono), got {value.dtype} of shape "
                              f"{list(value.shape)}")
     if value.shape[0] > max_num_samples:
         raise AdmissionError(f"{where}: {value.shape[0]} samples is too long (at most {max_num_samples})")
+    if value.dtype == np.int16:
+        return value.tobytes()
     if not bool(np.isfinite(value).all()):
         raise AdmissionError(f"{where}: has non-finite values")
     return float32_to_pcm16(value).tobytes()

@@ -9,7 +9,8 @@ client sees what was understood, and `next: thinker`, which takes the RESULT's `
 A streamed turn (`submit(..., stream_input=True)`, the user's audio while they speak):
 - NEW (`is_stream`) `{"messages": [{"role", "content"}, ...]}`: the conversation so far (may be empty;
   a user message with `audio` instead, never transcribed, is transcribed as in a whole request);
-- CHUNK `{"audio": float32 [num_samples]}` (16 kHz mono, typically 20-100 ms): fed to the recogniser at
+- CHUNK `{"audio": int16 [num_samples]}` (16 kHz mono, typically 20-100 ms; what a session streams) or
+  float32 in [-1, 1]: fed to the recogniser at
   once; with PocketSphinx a STREAM `{"input_transcript_partial": text}` follows whenever the hypothesis of
   the whole turn so far changes (it may revise earlier words; at most one per request per batch); Whisper
   gives no partials;
@@ -91,6 +92,9 @@ class _Request:
 
 
 class AsrRunner(Runner[SimpleBatch, SimpleResult]):
+    next_only_keys = frozenset({"messages"})
+    """The whole conversation goes to the thinker each turn; the client has it already."""
+
     def __init__(self, pool: RecognizerPool, config: AsrRunnerConfig | None = None) -> None:
         self.pool = pool
         self.config = config or AsrRunnerConfig()

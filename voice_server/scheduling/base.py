@@ -78,6 +78,11 @@ class CapacityError(AdmissionError):
 class Runner(ABC, Generic[BatchT, ResultT]):
     """What a stage factory returns: the stage's torch side. Runs typed batches on a device."""
 
+    next_only_keys: frozenset[str] = frozenset()
+    """Keys of its outputs for the `next` stage only, left out of what a terminal stage sends the client
+    (e.g. the conversation the asr stage hands the thinker, which the client already has). `_`-keys never
+    reach the client either (streamed to `stream_to` stages only)."""
+
     def admit(self, item: WorkItem) -> WorkItem:
         """Check and convert one inbox item before the scheduler sees it (e.g. messages -> token
         ids). Raise `AdmissionError` (or `ValueError`) to refuse the request alone."""

@@ -273,8 +273,8 @@ class OpenTurn:
         """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
         if self.input.is_ended:
             return  # NOTE: speculating: the pause's silence is not the request's; speech resuming reopens it
-        audio = pcm16_to_float32(pcm16)
-        if self.resampler is not None:
-            audio = self.resampler.process(audio)
+        # NOTE: at 16 kHz already, the asr stage takes the int16 as it is, with no conversion either way.
+        resampler = self.resampler
+        audio = pcm16 if resampler is None else float32_to_pcm16(resampler.process(pcm16_to_float32(pcm16)))
         if audio.size:
             self.input.send({"audio": audio})

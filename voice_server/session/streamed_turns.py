@@ -2,7 +2,7 @@
 `Session` (`core.py`).
 
 Streamed turns: with a pipeline that transcribes (`PipelineConfig.stream_input`) and turn detection
-that creates responses, a turn's request opens at speech start and its audio (16 kHz float32) streams
+that creates responses, a turn's request opens at speech start and its audio (16 kHz int16) streams
 to the entry stage while the user speaks (`OpenTurn`); the end of the turn ends the stream and starts
 the response on the same request, so recognition is done when the user stops rather than starting then.
 
