@@ -1,16 +1,23 @@
-"""`voice-server` command line: `serve`, `ask` and `check-config`."""
+"""`voice-server` command line: `serve`, `ask` and `check-config`.
+
+NOTE: only the standard library at import: a Ctrl-C lands in the imports while they run (the config
+package takes ~0.1 s, the server ~1 s), and only `main` can turn it into a quiet exit.
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from voice_server.config import ConfigError, PipelineConfig, format_budget, load_pipeline, plan_budget
-from voice_server.config.checks import check_environment
-from voice_server.config.errors import one_line
+if TYPE_CHECKING:
+    from voice_server.config import PipelineConfig
+
+EXIT_INTERRUPTED = 130
+"""Ctrl-C before a command took SIGINT over (the shells' 128 + SIGINT); `serve` exits 0 on it, as on any stop."""
 
 
 def describe_topology(cfg: PipelineConfig) -> str:
@@ -36,9 +43,15 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
     Exit 0 when it can start, 2 with one `config error: ...` paragraph when it cannot, 1 (one line) on an
     unexpected failure of the checker itself (`--traceback` shows where).
     """
+    from voice_server.config import ConfigError, format_budget, load_pipeline, plan_budget
+    from voice_server.config.checks import check_environment
+    from voice_server.config.errors import one_line
+    from voice_server.scheduling import check_schedulers
+
     try:
         cfg = load_pipeline(path)
         budgets = plan_budget(cfg)
+        check_schedulers(cfg)
         check_environment(cfg, is_device_check=is_device_check)
     except ConfigError as exc:
         # NOTE: one_line is a last guarantee of one paragraph; messages are built as one line already.
@@ -59,15 +72,21 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
 
 
 def load_for_launch(path: str) -> PipelineConfig | None:
-    """The config, checked for a launch from this process; None after printing one `config error` line."""
+    """The config, checked as `check-config` checks it; None after printing its one `config error` line."""
+    from voice_server.config import ConfigError, load_pipeline, plan_budget
+    from voice_server.config.errors import one_line
+
     try:
         cfg = load_pipeline(path)
         plan_budget(cfg)
-        # NOTE: factories are left to the stage processes: importing them here would load torch and
-        # model code into the server process.
-        check_environment(cfg, is_import_allowed=False)
     except ConfigError as exc:
         print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
+        return None
+    from voice_server.config.child_check import check_in_child
+
+    failure = check_in_child(path)
+    if failure is not None:
+        print(failure, file=sys.stderr)
         return None
     return cfg
 
@@ -92,6 +111,38 @@ def read_auth_token(path: str | None) -> str | None:
 def serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any],
           sessions: dict[str, Any] | None = None, web_dir: str | None = None) -> int:
     """Exit 0 after SIGTERM/SIGINT (at any point, start-up included), 2 on a config or start-up error."""
+    # NOTE: until the event loop takes both signals over (`server/runner.py`), a stop signal interrupts
+    # what runs: the imports (~1 s) or the config check, whose child `check_in_child` kills. Nothing
+    # else has started, so whatever that raises is only the stop: an import interrupted halfway can
+    # raise something else (a NameError from a module's `except` clause) in place of KeyboardInterrupt.
+    early = _EarlyStop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, early)
+    try:
+        return _serve(path, host, port, log_level, limits, sessions, web_dir)
+    except BaseException:
+        if early.signum is None:
+            raise
+        return 0
+
+
+class _Stopped(KeyboardInterrupt):
+    """KeyboardInterrupt to every `except`, but not to CPython's exit: a KeyboardInterrupt of exactly that
+    type raised through a C extension's `PyRun_String` (some run one at import) makes `python -m` end by
+    re-raising SIGINT once `main` has returned, even though `serve` caught it."""
+
+
+class _EarlyStop:
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.signum = signum
+        raise _Stopped
+
+
+def _serve(path: str, host: str, port: int, log_level: str, limits: dict[str, Any],
+           sessions: dict[str, Any] | None, web_dir: str | None) -> int:
     cfg = load_for_launch(path)
     if cfg is None:
         return 2
@@ -189,6 +240,13 @@ def _session_limits(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # NOTE: Ctrl-C outside `serve` (which exits 0 on it): quiet, no traceback
+        return EXIT_INTERRUPTED
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="voice-server")
     sub = parser.add_subparsers(dest="command", required=True)
     p_serve = sub.add_parser("serve", help="launch the pipeline's stage processes and the HTTP/WebSocket server")

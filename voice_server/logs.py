@@ -4,7 +4,11 @@
 records (same logger, level and formatted message) pass `num_per_window` times per `window_s`
 window; later repeats are dropped and counted, and when the window ends one line says
 `suppressed K repeats of: <message>`. Records that differ (another client address, another
-request id) are never suppressed.
+request id) are never suppressed, unless the call says what makes them alike: a record logged
+with `extra=rate_key(KEY)` is limited with every other record of its logger, level and KEY, and
+its window's summary says `suppressed K more of: KEY (in Ns; the first: <message>)`. That is for
+a flood of one failure per request (a full relay): each line names its request, so none would
+repeat another, yet they are one event.
 
 The summary of a window is written by the next record that reaches the handler after the window
 ended, or by `flush_rate_limits()`: a long-lived process should call it now and then (`serve`
@@ -20,6 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 _IS_SUMMARY = "vs_rate_limit_summary"
+_RATE_KEY = "vs_rate_key"
 _SUMMARY_MESSAGE_LEN = 200
 
 
@@ -48,6 +53,23 @@ class _Window:
     pathname: str
     lineno: int
     num_seen: int = 0
+    first: str | None = None
+    """The first record's message, in a keyed window (`rate_key`): an example of what was suppressed."""
+
+
+def rate_key(key: str) -> dict[str, str]:
+    """`extra=` for a log call whose records are alike by `key`, whatever their message says (request ids).
+
+        log.error("stage %s: cannot send output of %s: %s", stage, rid, exc, extra=rate_key(f"{stage}: relay full"))
+    """
+    return {_RATE_KEY: key}
+
+
+def _message(record: logging.LogRecord) -> str:
+    try:
+        return record.getMessage()
+    except Exception:  # NOTE: a bad format is the handler's to report (handleError), not ours
+        return str(record.msg)
 
 
 class RateLimitFilter(logging.Filter):
@@ -57,25 +79,26 @@ class RateLimitFilter(logging.Filter):
         super().__init__()
         self.handler = handler
         self.limit = limit
-        self._windows: OrderedDict[tuple[str, int, str], _Window] = OrderedDict()
+        self._windows: OrderedDict[tuple[str, int, str, bool], _Window] = OrderedDict()
         self._lock = threading.Lock()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if getattr(record, _IS_SUMMARY, False):
             return True
         now = time.monotonic()
-        try:
-            message = record.getMessage()
-        except Exception:  # NOTE: a bad format is the handler's to report (handleError), not ours
-            message = str(record.msg)
-        key = (record.name, record.levelno, message)
+        rate_key = getattr(record, _RATE_KEY, None)
+        is_keyed = isinstance(rate_key, str)
+        # NOTE: `is_keyed` in the key keeps a keyed window apart from a message that reads like its key.
+        key = (record.name, record.levelno, rate_key if isinstance(rate_key, str) else _message(record), is_keyed)
         with self._lock:
             summaries = self._expire(now)
             window = self._windows.get(key)
             if window is None:
                 if len(self._windows) >= self.limit.max_keys:
                     summaries += self._close(next(iter(self._windows)))
-                window = self._windows[key] = _Window(now, record.pathname, record.lineno)
+                window = self._windows[key] = _Window(
+                    now, record.pathname, record.lineno, first=_message(record) if is_keyed else None
+                )
             window.num_seen += 1
             is_passed = window.num_seen <= self.limit.num_per_window
         # NOTE: outside the lock: the handler runs this filter again for each summary.
@@ -100,21 +123,24 @@ class RateLimitFilter(logging.Filter):
             summaries += self._close(key)
         return summaries
 
-    def _close(self, key: tuple[str, int, str]) -> list[logging.LogRecord]:
+    def _close(self, key: tuple[str, int, str, bool]) -> list[logging.LogRecord]:
         window = self._windows.pop(key)
         num_suppressed = window.num_seen - self.limit.num_per_window
         if num_suppressed <= 0:
             return []
-        name, levelno, text = key
-        message = text.splitlines()[0] if text else ""
-        if len(message) > _SUMMARY_MESSAGE_LEN:
-            message = message[:_SUMMARY_MESSAGE_LEN] + "..."
-        summary = logging.LogRecord(
-            name, levelno, window.pathname, window.lineno,
-            "suppressed %d repeats of: %s (in %gs)", (num_suppressed, message, self.limit.window_s), None,
-        )
+        name, levelno, text, _ = key
+        args: tuple[object, ...] = (num_suppressed, _shorten(text), self.limit.window_s)
+        msg = "suppressed %d repeats of: %s (in %gs)"
+        if window.first is not None:
+            msg, args = "suppressed %d more of: %s (in %gs; the first: %s)", (*args, _shorten(window.first))
+        summary = logging.LogRecord(name, levelno, window.pathname, window.lineno, msg, args, None)
         setattr(summary, _IS_SUMMARY, True)
         return [summary]
+
+
+def _shorten(text: str) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= _SUMMARY_MESSAGE_LEN else line[:_SUMMARY_MESSAGE_LEN] + "..."
 
 
 def install_rate_limit(limit: RateLimit | None = None, logger: logging.Logger | None = None) -> list[RateLimitFilter]:

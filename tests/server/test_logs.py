@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -114,3 +117,69 @@ def test_a_bad_rate_limit_names_the_field() -> None:
         RateLimit(window_s=0)
     with pytest.raises(ValueError, match="'num_per_window'"):
         RateLimit(num_per_window=0)
+
+
+def test_keyed_records_fold_across_request_ids_with_the_first_as_an_example(
+    clock: Clock, logger: tuple[logging.Logger, ListHandler]
+) -> None:
+    log, handler = logger
+    for i in range(17_000):  # issue #20: a full relay failed ~17k requests, each logged with its own id
+        log.error("stage %s: cannot send output of %s: relay full", "thinker", f"req-{i}",
+                  extra=logs.rate_key("thinker: relay full"))
+    log.error("stage %s: cannot send output of %s: relay full", "talker", "req-x",
+              extra=logs.rate_key("talker: relay full"))  # another key: its own window
+    log.error("stage %s: cannot send output of %s: relay full", "thinker", "req-y")  # not keyed: its own message
+    assert handler.lines == [
+        *(f"ERROR stage thinker: cannot send output of req-{i}: relay full" for i in range(3)),
+        "ERROR stage talker: cannot send output of req-x: relay full",
+        "ERROR stage thinker: cannot send output of req-y: relay full",
+    ]
+    clock.now += 10.0
+    flush_rate_limits(log)
+    assert handler.lines[5:] == [
+        "ERROR suppressed 16997 more of: thinker: relay full "
+        "(in 10s; the first: stage thinker: cannot send output of req-0: relay full)",
+    ]
+
+
+def test_a_keyed_record_and_a_message_equal_to_its_key_are_apart(
+    clock: Clock, logger: tuple[logging.Logger, ListHandler]
+) -> None:
+    log, handler = logger
+    for _ in range(4):
+        log.warning("relay full", extra=logs.rate_key("relay full"))
+        log.warning("relay full")
+    flush_rate_limits(log, is_final=True)
+    assert handler.lines[6:] == [
+        "WARNING suppressed 1 more of: relay full (in 10s; the first: relay full)",
+        "WARNING suppressed 1 repeats of: relay full (in 10s)",
+    ]
+
+
+_FLOOD = """
+import logging, sys
+from voice_server.logs import flush_rate_limits, rate_key
+from voice_server.server.runner import configure_logging
+configure_logging("info")
+log = logging.getLogger("voice_server.stage")
+for i in range(17_000):
+    extra = rate_key("thinker: relay full") if sys.argv[1] == "keyed" else None
+    log.error("stage thinker: cannot send output of %s: relay full, still after 5 s", f"resp_{i:08x}", extra=extra)
+flush_rate_limits(is_final=True)
+"""
+
+
+def test_a_flood_of_keyed_failures_is_a_few_lines_on_serves_log_handler() -> None:
+    sizes = {}
+    for mode in ("keyed", "plain"):
+        out = subprocess.run([sys.executable, "-c", _FLOOD, mode], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert out.returncode == 0, out.stderr
+        sizes[mode] = len(out.stderr.encode())
+        lines = out.stderr.splitlines()
+        if mode == "keyed":
+            assert len(lines) == 6, out.stderr  # 5 per window, then the count
+            assert "suppressed 16995 more of: thinker: relay full (in 10s; the first: stage thinker: cannot send " \
+                   "output of resp_00000000: relay full, still after 5 s)" in lines[-1]
+    print(f"log bytes for 17k failed requests: {sizes}")
+    assert sizes["plain"] > 1_000_000 and sizes["keyed"] < 2_000

@@ -167,7 +167,11 @@ def test_a_stop_signal_while_serving_with_connections_open_ends_serve_at_once(se
 
 
 def test_a_stage_that_fails_to_load_is_one_paragraph(serve_process: ServeProcess, tmp_path: Path) -> None:
-    server = serve_process(config=write_config(tmp_path, "voice_server.stages.no_such_module:create"))
+    # NOTE: a factory that resolves but raises in its stage process: one that does not resolve is refused
+    # before anything starts, as `check-config` refuses it (test_serve_checks_and_signals.py).
+    config = write_config(tmp_path, "slow_factory:create")
+    config.write_text(config.read_text().replace("load_s: 20.0", "load_s: oops"))
+    server = serve_process(config=config)
     rc = server.proc.wait(60)
     own = server_records(server.stderr, "slow")
     print(f"exit {rc}; the server's own stderr:\n{own}")
@@ -175,8 +179,8 @@ def test_a_stage_that_fails_to_load_is_one_paragraph(serve_process: ServeProcess
     assert "Traceback" not in own
     errors = [line for line in own.splitlines() if line.startswith("start-up error: ")]
     assert len(errors) == 1, own
-    assert "stage process 'slow'" in errors[0] and "field 'factory'" in errors[0]
-    assert "voice_server.stages.no_such_module" in errors[0]
+    assert "stage process 'slow'" in errors[0] and "stage 'slow' has factory slow_factory:create" in errors[0]
+    assert "ValueError: could not convert string to float: 'oops'" in errors[0]
     assert "Traceback" not in server.stderr  # the stage process logs one line too
 
 

@@ -89,6 +89,14 @@ class _Server(VoiceServer):
         # them while it serves and re-raise the signal when it returns.
         yield
 
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
+            # NOTE: uvicorn skips the lifespan's shutdown on a forced exit (a second stop signal), leaving
+            # its task waiting; asyncio.run cancels it at the end and uvicorn logs that as an ERROR with a
+            # CancelledError traceback. The app has no shutdown handlers: ending it is immediate.
+            await self.lifespan.shutdown()
+
 
 class _Stopper:
     """The loop's SIGINT/SIGTERM handler."""
@@ -102,7 +110,7 @@ class _Stopper:
         name = signal.Signals(signum).name
         if self.signal is not None:
             if self.server is not None and not self.server.force_exit:
-                log.info("%s received again: not waiting for connections to close", name)
+                log.info("%s received again: already stopping; not waiting for connections to close", name)
                 self.server.force_exit = True
             return
         self.signal = signum
@@ -172,7 +180,10 @@ async def _start_and_serve(
     stopper.start_task = start = asyncio.ensure_future(coordinator.start())
     await asyncio.wait({start, serving}, return_when=asyncio.FIRST_COMPLETED)
     if not start.done():  # NOTE: uvicorn stopped (or failed) while the stages were loading
-        start.cancel()
+        # NOTE: not twice: after a stop signal's cancel, `start` is stopping what it launched, and a
+        # second cancel cut that short (a run directory left behind, found with a stop ~1 s into start-up).
+        if not start.cancelling():
+            start.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await start
         await serving
