@@ -51,6 +51,22 @@ def test_outputs_carry_each_stages_first_output_time(numeric: Pipeline) -> None:
     assert all(t == first for t in stamps), "a stage's first-output time never moves"
 
 
+def test_a_step_sends_one_message_per_destination(numeric: Pipeline) -> None:
+    def framer_counters() -> dict[str, int]:
+        return numeric.run(numeric.coordinator.stats())["framer"].counters["framer"]
+
+    before = framer_counters()
+    signal = np.arange(FRAME_LEN * 40, dtype=np.float32)
+    check_outputs(numeric.collect({"signal": signal}), signal)
+    after = framer_counters()
+    num_frames = after["num_frames_out"] - before["num_frames_out"]
+    num_messages = after["num_messages_out"] - before["num_messages_out"]
+    # NOTE: the framer's one step emits 40 chunks, the stream's opening and its end (42 control messages) to
+    # the transform: one multipart message; the ack of the relayed signal to the coordinator is another,
+    # and the reply to the first stats query (sent after it read its counters) the third.
+    assert num_frames >= 42 and num_messages <= 3, (num_frames, num_messages)
+
+
 def test_small_frames_travel_inline(numeric: Pipeline) -> None:
     signal = np.linspace(-1, 1, 100, dtype=np.float32)
     check_outputs(numeric.collect({"signal": signal}), signal)

@@ -76,6 +76,10 @@ class Coordinator:
         self.launch_id = launch_id or secrets.token_hex(4)
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
         self.num_dropped_messages = 0
+        self._inputs: dict[str, tuple[zmq.Socket, list[bytes]]] = {}
+        """Streamed input pieces per stage process, sent at the end of this loop turn (`_flush_inputs`)."""
+        self.io_counters = {"num_messages_in": 0, "num_frames_in": 0, "num_messages_out": 0, "num_frames_out": 0}
+        """ZMQ messages and the control messages (frames) in them: received from stages, and streamed input sent."""
         self._stats: dict[int, dict[str, StatsReply]] = {}
         self._nonces = itertools.count()
         self._is_started = False
@@ -247,8 +251,21 @@ class Coordinator:
             if is_exhaustion(exc):
                 raise OverloadError(f"server busy: {exc}") from exc
             raise RequestError(f"input chunk cannot be sent: {exc}") from exc
-        sock.send(data)
+        # NOTE: the pieces every session sends in one loop turn go to a stage as one multipart message (each
+        # user's 20 ms frames were one message each); the request's NewRequest went before, on this socket.
+        if not self._inputs:
+            self._loop.call_soon(self._flush_inputs)
+        self._inputs.setdefault(process, (sock, []))[1].append(data)
         return True
+
+    def _flush_inputs(self) -> None:
+        inputs, self._inputs = self._inputs, {}
+        if self._is_stopping:
+            return  # NOTE: the sockets are going; the stages drop the requests anyway
+        for sock, frames in inputs.values():
+            sock.send_multipart(frames)
+            self.io_counters["num_messages_out"] += 1
+            self.io_counters["num_frames_out"] += len(frames)
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:
@@ -294,29 +311,36 @@ class Coordinator:
     async def _recv_loop(self) -> None:
         while True:
             try:
-                data = await self._inbox.recv()  # type: ignore[misc]  # zmq.asyncio returns a future
+                frames = await self._inbox.recv_multipart()  # type: ignore[misc]  # zmq.asyncio: a future
             except zmq.ZMQError as exc:  # NOTE: e.g. EMFILE; keep serving once it clears
                 log.error("coordinator inbox: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            try:
-                msg, refs = self.codec.decode(data)
-            except MessageError as exc:
-                self._drop(f"dropped a message: {exc}")
-                self._ack(exc.refs)
-                if exc.request_id is not None:
-                    error_cls = OverloadError if exc.is_overload else RequestError
-                    self._requests.fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
-                continue
-            try:
-                self._dispatch(msg, refs)
-            except Exception:
-                self._drop(f"coordinator failed to handle {type(msg).__name__}", exc_info=True)
-            if isinstance(msg, Output) and self._requests.is_backlogged(msg.request_id):
-                # NOTE: a ready message is received without yielding, so a stage streaming faster than this
-                # loop would keep the client from reading until its queue hit `max_queued_outputs`. Only
-                # then: yielding on every message would hand the loop to every other task (a retry storm).
-                await asyncio.sleep(0)
+            self.io_counters["num_messages_in"] += 1
+            self.io_counters["num_frames_in"] += len(frames)
+            for data in frames:
+                await self._handle(data)
+
+    async def _handle(self, data: bytes) -> None:
+        """One control message from a stage process (a frame of a multipart message)."""
+        try:
+            msg, refs = self.codec.decode(data)
+        except MessageError as exc:
+            self._drop(f"dropped a message: {exc}")
+            self._ack(exc.refs)
+            if exc.request_id is not None:
+                error_cls = OverloadError if exc.is_overload else RequestError
+                self._requests.fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
+            return
+        try:
+            self._dispatch(msg, refs)
+        except Exception:
+            self._drop(f"coordinator failed to handle {type(msg).__name__}", exc_info=True)
+        if isinstance(msg, Output) and self._requests.is_backlogged(msg.request_id):
+            # NOTE: a ready message is received without yielding, so a stage streaming faster than this
+            # loop would keep the client from reading until its queue hit `max_queued_outputs`. Only
+            # then: yielding on every message would hand the loop to every other task (a retry storm).
+            await asyncio.sleep(0)
 
     def _drop(self, message: str, exc_info: bool = False) -> None:
         self.num_dropped_messages += 1

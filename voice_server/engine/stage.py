@@ -43,7 +43,7 @@ from voice_server.engine.messages import (
 )
 from voice_server.engine.routing import route
 from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
-from voice_server.logs import flush_rate_limits
+from voice_server.logs import flush_rate_limits, rate_key
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion
 from voice_server.scheduling import CapacityError, Emit, WorkItem, WorkKind
 
@@ -85,6 +85,11 @@ class StageShell:
         self.stages: dict[str, StageRuntime] = {}
         self._aborted: OrderedDict[str, float] = OrderedDict()
         """Recently aborted request ids -> when this process dropped them (late messages are ignored)."""
+        self._outbox: dict[str, list[bytes]] = {}
+        """Encoded messages per process, sent as one multipart message each at the end of a loop turn."""
+        self._is_batching = False
+        self.io_counters = {"num_messages_in": 0, "num_frames_in": 0, "num_messages_out": 0, "num_frames_out": 0}
+        """ZMQ messages and the control messages (frames) in them, received and sent by this process."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -137,6 +142,16 @@ class StageShell:
     # -- loop ------------------------------------------------------------------------------------
 
     def _poll_once(self) -> None:
+        # NOTE: one multipart message per destination per loop turn (a step's outputs for a batch of
+        # requests, its acks, its failures) instead of one per output: the per-message cost is paid once.
+        self._is_batching = True
+        try:
+            self._serve_once()
+        finally:
+            self._is_batching = False
+            self._flush()
+
+    def _serve_once(self) -> None:
         now = time.monotonic()
         waits = [w for s in self.stages.values() if (w := s.scheduler.next_wakeup(now)) is not None]
         # NOTE: round up, or a sub-millisecond batching wait would spin on zero-timeout polls.
@@ -171,7 +186,9 @@ class StageShell:
                 continue
             error = self._route_or_wait(runtime, emit)
             if error is not None:
-                log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, error)
+                # NOTE: keyed without the request id, so a burst of them folds into one count per window.
+                log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, error,
+                          extra=rate_key(f"stage {runtime.cfg.name}: cannot send output: {type(error).__name__}"))
                 self._fail_request(runtime, emit.request_id, f"output cannot be sent: {error}", is_exhaustion(error))
                 failed.add(emit.request_id)
 
@@ -188,8 +205,10 @@ class StageShell:
                 deadline = deadline if deadline is not None else now + self.cfg.max_relay_wait_s
                 if now >= deadline:
                     return RelayFullError(f"{exc}, still after {self.cfg.max_relay_wait_s:g} s (max_relay_wait_s)")
-                # NOTE: back-pressure: room comes back with the consumers' acks. Meanwhile this stage
-                # reads its sockets (acks, aborts, new work for later) but runs nothing.
+                # NOTE: back-pressure: room comes back with the consumers' acks (of what they have been
+                # sent: flushed first). Meanwhile this stage reads its sockets (acks, aborts, new work for
+                # later) but runs nothing.
+                self._flush()
                 if self.poller.poll(max(1, min(50, math.ceil((deadline - now) * 1000)))):
                     self._drain(self.sub)
                     self._drain(self.inbox)
@@ -211,19 +230,37 @@ class StageShell:
             self.slab.discard(taken)  # NOTE: the messages encoded before the failing one are never sent
             raise
         for process, data in frames:
-            self._peers.get(process).send(data)
+            self._post(process, data)
+
+    def _post(self, process: str, data: bytes) -> None:
+        self._outbox.setdefault(process, []).append(data)
+        if not self._is_batching:
+            self._flush()
+
+    def _flush(self) -> None:
+        outbox, self._outbox = self._outbox, {}
+        for process, frames in outbox.items():
+            self._peers.get(process).send_multipart(frames)
+            self.io_counters["num_messages_out"] += 1
+            self.io_counters["num_frames_out"] += len(frames)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(_MAX_DRAIN):
             try:
-                data = sock.recv(zmq.NOBLOCK)
+                frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                self._dispatch(data)
-            except Exception:  # NOTE: one bad message never takes the stage down
-                self.num_dropped_messages += 1
-                log.exception("dropped a message that could not be handled")
+            self.io_counters["num_messages_in"] += 1
+            self.io_counters["num_frames_in"] += len(frames)
+            for data in frames:
+                self._dispatch_safely(data)
+
+    def _dispatch_safely(self, data: bytes) -> None:
+        try:
+            self._dispatch(data)
+        except Exception:  # NOTE: one bad message never takes the stage down
+            self.num_dropped_messages += 1
+            log.exception("dropped a message that could not be handled")
 
     def _decode(self, data: bytes) -> tuple[Message, list[ShmRef]] | None:
         try:
@@ -267,7 +304,8 @@ class StageShell:
             self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
-            counters = {name: {**s.scheduler.stats(), **s.runner.stats()} for name, s in self.stages.items()}
+            counters = {name: {**s.scheduler.stats(), **s.runner.stats(), **self.io_counters}
+                        for name, s in self.stages.items()}
             recent = dict(itertools.islice(reversed(self._aborted.items()), _NUM_ABORTS_REPORTED))
             self._send(ipc.COORDINATOR, StatsReply(
                 self.spec.process, self.spec.generation, msg.nonce, active,
@@ -324,7 +362,8 @@ class StageShell:
         except ValueError as exc:
             # NOTE: malformed input or params refuse this request alone, at admission; so does a stage
             # out of room for it (CapacityError), as a retryable overload.
-            log.warning("stage %s: refused %s: %s", runtime.cfg.name, rid, exc)
+            log.warning("stage %s: refused %s: %s", runtime.cfg.name, rid, exc,
+                        extra=rate_key(f"stage {runtime.cfg.name}: refused: {type(exc).__name__}"))
             self._fail_request(runtime, rid, f"refused: {exc}", is_overload=isinstance(exc, CapacityError))
 
     def _abort(self, request_id: str) -> None:
@@ -345,7 +384,7 @@ class StageShell:
     # -- output routing --------------------------------------------------------------------------
 
     def _send(self, process: str, msg: Message) -> None:
-        self._peers.get(process).send(self.codec.encode(msg, consumer=process))
+        self._post(process, self.codec.encode(msg, consumer=process))
 
     def _ack(self, refs: list[ShmRef]) -> None:
         for ack in acks_for(refs):
