@@ -44,8 +44,8 @@ from voice_server.engine.messages import (
     StatsReply,
     StreamChunk,
     StreamDone,
-    acks_for,
 )
+from voice_server.engine.outbox import Outbox
 from voice_server.engine.requests import (
     DeadlineExceeded,
     InputStream,
@@ -76,10 +76,7 @@ class Coordinator:
         self.launch_id = launch_id or secrets.token_hex(4)
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
         self.num_dropped_messages = 0
-        self._inputs: dict[str, tuple[zmq.Socket, list[bytes]]] = {}
-        """Streamed input pieces per stage process, sent at the end of this loop turn (`_flush_inputs`)."""
-        self.io_counters = {"num_messages_in": 0, "num_frames_in": 0, "num_messages_out": 0, "num_frames_out": 0}
-        """ZMQ messages and the control messages (frames) in them: received from stages, and streamed input sent."""
+        self._in_counters = {"num_messages_in": 0, "num_frames_in": 0}
         self._stats: dict[int, dict[str, StatsReply]] = {}
         self._nonces = itertools.count()
         self._is_started = False
@@ -137,6 +134,7 @@ class Coordinator:
         self.reader = ShmReader()
         self._cleanups.append((self.reader.close, False))
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
+        self.outbox = Outbox(self._peers, self.codec, self.slab, self.owner)
         self.supervisor = Supervisor(self.cfg, self.launcher, self._on_down, lambda: self._broadcast(Probe(0)))
         self._cleanups.append((self.supervisor.stop, False))
         # NOTE: runs first on stop (cleanups run in reverse): no process may outlive the launch.
@@ -241,7 +239,7 @@ class Coordinator:
             return False
         process = self.cfg.stage(msg.stage).process_name
         try:
-            sock = self._peers.get(process)
+            self._peers.get(process)  # NOTE: connected now, so that the flush cannot fail on it
         except zmq.ZMQError as exc:
             raise OverloadError(f"server busy: {exc}") from exc
         try:
@@ -253,19 +251,19 @@ class Coordinator:
             raise RequestError(f"input chunk cannot be sent: {exc}") from exc
         # NOTE: the pieces every session sends in one loop turn go to a stage as one multipart message (each
         # user's 20 ms frames were one message each); the request's NewRequest went before, on this socket.
-        if not self._inputs:
+        if self.outbox.is_empty:
             self._loop.call_soon(self._flush_inputs)
-        self._inputs.setdefault(process, (sock, []))[1].append(data)
+        self.outbox.queue(process, data)
         return True
 
     def _flush_inputs(self) -> None:
-        inputs, self._inputs = self._inputs, {}
-        if self._is_stopping:
-            return  # NOTE: the sockets are going; the stages drop the requests anyway
-        for sock, frames in inputs.values():
-            sock.send_multipart(frames)
-            self.io_counters["num_messages_out"] += 1
-            self.io_counters["num_frames_out"] += len(frames)
+        if not self._is_stopping:  # NOTE: the sockets are going; the stages drop the requests anyway
+            self.outbox.flush()
+
+    @property
+    def io_counters(self) -> dict[str, int]:
+        """ZMQ messages received from the stages and sent to them, and the control messages (frames) in them."""
+        return {**self._in_counters, **self.outbox.counters}
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:
@@ -295,18 +293,9 @@ class Coordinator:
 
     # -- sockets ---------------------------------------------------------------------------------
 
-    def _send(self, process: str, msg: Message) -> None:
-        self._peers.get(process).send(self.codec.encode(msg, consumer=process))
-
     def _broadcast(self, msg: Message) -> None:
         self._pub.send(self.codec.encode(msg))
 
-    def _ack(self, refs: list[ShmRef]) -> None:
-        for ack in acks_for(refs):
-            if ack.owner == self.owner:
-                self.slab.ack(ack.slot_ids)
-            else:
-                self._send(ipc.owner_process(ack.owner), ack)
 
     async def _recv_loop(self) -> None:
         while True:
@@ -316,8 +305,8 @@ class Coordinator:
                 log.error("coordinator inbox: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            self.io_counters["num_messages_in"] += 1
-            self.io_counters["num_frames_in"] += len(frames)
+            self._in_counters["num_messages_in"] += 1
+            self._in_counters["num_frames_in"] += len(frames)
             for data in frames:
                 await self._handle(data)
 
@@ -327,7 +316,7 @@ class Coordinator:
             msg, refs = self.codec.decode(data)
         except MessageError as exc:
             self._drop(f"dropped a message: {exc}")
-            self._ack(exc.refs)
+            self.outbox.ack(exc.refs)
             if exc.request_id is not None:
                 error_cls = OverloadError if exc.is_overload else RequestError
                 self._requests.fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
@@ -351,12 +340,12 @@ class Coordinator:
             # NOTE: the client may hold outputs indefinitely, so relay-backed arrays are copied and
             # their slots returned at once.
             payload = _detach(msg.payload) if refs else msg.payload
-            self._ack(refs)
+            self.outbox.ack(refs)
             output = TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final, dict(msg.timings))
             if not self._requests.deliver(output):
                 self._drop(f"dropped an Output of {msg.stage!r}, which is not a pending terminal stage")
             return
-        self._ack(refs)
+        self.outbox.ack(refs)
         if isinstance(msg, Failure):
             error_cls = OverloadError if msg.is_overload else RequestError
             self._requests.fail(msg.request_id, error_cls(f"stage '{msg.stage}': {msg.message}"))

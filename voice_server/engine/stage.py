@@ -39,8 +39,8 @@ from voice_server.engine.messages import (
     StatsReply,
     StreamChunk,
     StreamDone,
-    acks_for,
 )
+from voice_server.engine.outbox import Outbox
 from voice_server.engine.routing import route
 from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
 from voice_server.logs import flush_rate_limits, rate_key
@@ -85,11 +85,9 @@ class StageShell:
         self.stages: dict[str, StageRuntime] = {}
         self._aborted: OrderedDict[str, float] = OrderedDict()
         """Recently aborted request ids -> when this process dropped them (late messages are ignored)."""
-        self._outbox: dict[str, list[bytes]] = {}
-        """Encoded messages per process, sent as one multipart message each at the end of a loop turn."""
-        self._is_batching = False
-        self.io_counters = {"num_messages_in": 0, "num_frames_in": 0, "num_messages_out": 0, "num_frames_out": 0}
-        """ZMQ messages and the control messages (frames) in them, received and sent by this process."""
+        self.outbox = Outbox(self._peers, self.codec, self.slab, self.owner)
+        self.io_counters = {"num_messages_in": 0, "num_frames_in": 0}
+        """ZMQ messages received by this process, and the control messages (frames) in them."""
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -115,19 +113,19 @@ class StageShell:
             # NOTE: one line for the operator (the server repeats it); the traceback at debug level.
             log.error("startup failed: %s", message)
             log.debug("startup failure traceback", exc_info=True)
-            self._send(ipc.COORDINATOR, StartupFailed(self.spec.process, self.spec.generation, message))
+            self.outbox.send(ipc.COORDINATOR, StartupFailed(self.spec.process, self.spec.generation, message))
             time.sleep(0.2)  # NOTE: give ZMQ a moment to flush before the process exits
             return
         if not self._await_probe():
             return
         signal.signal(signal.SIGTERM, lambda *_: self.stop())
         facts = {name: s.runner.facts() for name, s in self.stages.items()}
-        self._send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid(), facts))
+        self.outbox.send(ipc.COORDINATOR, Ready(self.spec.process, self.spec.generation, os.getpid(), facts))
         while self.is_running:
             self._poll_once()
 
     def _report(self, stage: str, phase: str) -> None:
-        self._send(ipc.COORDINATOR, Progress(self.spec.process, self.spec.generation, stage, phase))
+        self.outbox.send(ipc.COORDINATOR, Progress(self.spec.process, self.spec.generation, stage, phase))
 
     def _await_probe(self) -> bool:
         # NOTE: PUB/SUB slow joiner: aborts published before our subscription reaches the publisher
@@ -144,12 +142,12 @@ class StageShell:
     def _poll_once(self) -> None:
         # NOTE: one multipart message per destination per loop turn (a step's outputs for a batch of
         # requests, its acks, its failures) instead of one per output: the per-message cost is paid once.
-        self._is_batching = True
+        self.outbox.is_holding = True
         try:
             self._serve_once()
         finally:
-            self._is_batching = False
-            self._flush()
+            self.outbox.is_holding = False
+            self.outbox.flush()
 
     def _serve_once(self) -> None:
         now = time.monotonic()
@@ -208,7 +206,7 @@ class StageShell:
                 # NOTE: back-pressure: room comes back with the consumers' acks (of what they have been
                 # sent: flushed first). Meanwhile this stage reads its sockets (acks, aborts, new work for
                 # later) but runs nothing.
-                self._flush()
+                self.outbox.flush()
                 if self.poller.poll(max(1, min(50, math.ceil((deadline - now) * 1000)))):
                     self._drain(self.sub)
                     self._drain(self.inbox)
@@ -217,7 +215,7 @@ class StageShell:
                 return exc
             planned.commit(runtime)
             if planned.is_final:
-                self._ack(runtime.forget(emit.request_id))
+                self.outbox.ack(runtime.forget(emit.request_id))
             return None
         return None
 
@@ -225,24 +223,12 @@ class StageShell:
         """Encode every message, then send them all; if one cannot be encoded, none is sent."""
         taken: list[int] = []
         try:
-            frames = [(process, self.codec.encode(msg, consumer=process, taken=taken)) for process, msg in messages]
+            frames = [(process, self.outbox.encode(process, msg, taken)) for process, msg in messages]
         except BaseException:
             self.slab.discard(taken)  # NOTE: the messages encoded before the failing one are never sent
             raise
         for process, data in frames:
-            self._post(process, data)
-
-    def _post(self, process: str, data: bytes) -> None:
-        self._outbox.setdefault(process, []).append(data)
-        if not self._is_batching:
-            self._flush()
-
-    def _flush(self) -> None:
-        outbox, self._outbox = self._outbox, {}
-        for process, frames in outbox.items():
-            self._peers.get(process).send_multipart(frames)
-            self.io_counters["num_messages_out"] += 1
-            self.io_counters["num_frames_out"] += len(frames)
+            self.outbox.post(process, data)
 
     def _drain(self, sock: zmq.Socket) -> None:
         for _ in range(_MAX_DRAIN):
@@ -268,7 +254,7 @@ class StageShell:
         except MessageError as exc:
             self.num_dropped_messages += 1
             log.warning("dropped a message: %s", exc)
-            self._ack(exc.refs)
+            self.outbox.ack(exc.refs)
             runtime = self.stages.get(exc.stage or "")
             if runtime is not None and exc.request_id is not None \
                     and exc.request_id in runtime.scheduler.active_request_ids:
@@ -280,7 +266,7 @@ class StageShell:
         decoded = self._decode(sock.recv())
         if decoded is None:
             return None
-        self._ack(decoded[1])
+        self.outbox.ack(decoded[1])
         return decoded[0]
 
     def _dispatch(self, data: bytes) -> None:
@@ -291,7 +277,7 @@ class StageShell:
         if isinstance(msg, (NewRequest, StreamChunk, StreamDone)):
             self._on_work(msg, refs)
             return
-        self._ack(refs)
+        self.outbox.ack(refs)
         if isinstance(msg, Ack):
             if msg.owner == self.owner:
                 self.slab.ack(msg.slot_ids)
@@ -304,10 +290,10 @@ class StageShell:
             self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
-            counters = {name: {**s.scheduler.stats(), **s.runner.stats(), **self.io_counters}
-                        for name, s in self.stages.items()}
+            io = {**self.io_counters, **self.outbox.counters}
+            counters = {name: {**s.scheduler.stats(), **s.runner.stats(), **io} for name, s in self.stages.items()}
             recent = dict(itertools.islice(reversed(self._aborted.items()), _NUM_ABORTS_REPORTED))
-            self._send(ipc.COORDINATOR, StatsReply(
+            self.outbox.send(ipc.COORDINATOR, StatsReply(
                 self.spec.process, self.spec.generation, msg.nonce, active,
                 self.slab.num_live_slots, self.slab.num_used_bytes, self.num_dropped_messages, recent, counters,
             ))
@@ -317,24 +303,24 @@ class StageShell:
         if runtime is None:
             self.num_dropped_messages += 1
             log.warning("dropped work for stage %r, which this process does not run", msg.stage)
-            self._ack(refs)
+            self.outbox.ack(refs)
             return
         if msg.request_id in self._aborted:
-            self._ack(refs)
+            self.outbox.ack(refs)
             return
         rid, now = msg.request_id, time.monotonic()
         if isinstance(msg, NewRequest):
             if rid in runtime.scheduler.active_request_ids:
                 self.num_dropped_messages += 1
                 log.warning("dropped a second NewRequest for %s", rid)
-                self._ack(refs)
+                self.outbox.ack(refs)
                 return
             runtime.params[rid] = msg.params
             runtime.num_chunks_received[rid] = 0
             runtime.timings[rid] = dict(msg.timings)
             item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params, is_stream=msg.is_stream)
         elif rid not in runtime.scheduler.active_request_ids:
-            self._ack(refs)  # late chunk of a request that already left this stage
+            self.outbox.ack(refs)  # late chunk of a request that already left this stage
             return
         else:
             # NOTE: the shell checks each upstream stream is whole, so a request either completes
@@ -342,7 +328,7 @@ class StageShell:
             num_received = runtime.num_chunks_received.get(rid, 0)
             expected = msg.seq if isinstance(msg, StreamChunk) else msg.num_chunks
             if expected != num_received:
-                self._ack(refs)
+                self.outbox.ack(refs)
                 self._fail_request(runtime, rid, f"upstream stream incomplete: expected chunk {num_received}, "
                                    f"got {'chunk' if isinstance(msg, StreamChunk) else 'end after'} {expected}",
                                    is_overload=False)
@@ -372,23 +358,14 @@ class StageShell:
             self._aborted.popitem(last=False)
         for runtime in self.stages.values():
             runtime.scheduler.abort(request_id)
-            self._ack(runtime.forget(request_id))
+            self.outbox.ack(runtime.forget(request_id))
 
     def _fail_request(self, runtime: StageRuntime, request_id: str, message: str, is_overload: bool) -> None:
         """The request fails here: tell the coordinator (which aborts it elsewhere), drop it locally."""
         runtime.scheduler.abort(request_id)
         self._aborted[request_id] = time.monotonic()
-        self._send(ipc.COORDINATOR, Failure(request_id, runtime.cfg.name, message, is_overload))
-        self._ack(runtime.forget(request_id))
+        self.outbox.send(ipc.COORDINATOR, Failure(request_id, runtime.cfg.name, message, is_overload))
+        self.outbox.ack(runtime.forget(request_id))
 
     # -- output routing --------------------------------------------------------------------------
 
-    def _send(self, process: str, msg: Message) -> None:
-        self._post(process, self.codec.encode(msg, consumer=process))
-
-    def _ack(self, refs: list[ShmRef]) -> None:
-        for ack in acks_for(refs):
-            if ack.owner == self.owner:
-                self.slab.ack(ack.slot_ids)
-            else:
-                self._send(ipc.owner_process(ack.owner), ack)

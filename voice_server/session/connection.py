@@ -15,12 +15,28 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.websockets import WebSocket
 
+from voice_server.config import PipelineConfig
+from voice_server.engine.requests import RequestStream
 from voice_server.session.events import SessionEvent
 
 if TYPE_CHECKING:
     from voice_server.session.core import Session
 
-__all__ = ["AdmissionLimits", "ConnectionGuard", "ConnectionTracker", "MetricsSource", "SessionAdmission"]
+__all__ = ["AdmissionLimits", "ConnectionGuard", "ConnectionTracker", "Engine", "MetricsSource", "SessionAdmission"]
+
+
+class Engine(Protocol):
+    """What a session needs of the engine (`Coordinator`, `voice_server/engine/coordinator.py`): its
+    pipeline's config and `submit`."""
+
+    cfg: PipelineConfig
+
+    def submit(
+        self, payload: dict[str, Any], params: dict[str, Any] | None = None, request_id: str | None = None,
+        timeout_s: float | None = None, stream_input: bool = False,
+    ) -> RequestStream:
+        """Send a request to the entry stage; iterate the result for its terminal outputs."""
+        ...
 
 
 class ConnectionGuard(Protocol):

@@ -17,13 +17,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler
 from voice_server.session.config import SessionConfig
+from voice_server.session.connection import Engine
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
 from voice_server.session.detectors import PauseScorer, make_detector
 from voice_server.session.end_of_turn import (
@@ -60,7 +60,7 @@ async def _discard(event: SessionEvent) -> None:
 
 
 class Session(StreamedTurns):
-    def __init__(self, coordinator: Any, config: SessionConfig, emit: Emit) -> None:
+    def __init__(self, coordinator: Engine, config: SessionConfig, emit: Emit) -> None:
         super().__init__(coordinator, config, emit)
         self.detector = make_detector(config)
         self.interruption_rules = InterruptionRules()

@@ -38,7 +38,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
 from voice_server.session.config import SessionConfig
-from voice_server.session.connection import ConnectionGuard, ConnectionTracker, MetricsSource, SessionAdmission
+from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -147,7 +147,7 @@ class NativeConnection:
     async def error(self, code: str, message: str) -> None:
         await self.emit(SessionError(code, message))
 
-    async def serve(self, coordinator: Any) -> None:
+    async def serve(self, coordinator: Engine) -> None:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 first = await self.guard.receive()

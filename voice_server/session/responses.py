@@ -25,6 +25,7 @@ from typing import Any
 
 from voice_server.engine.requests import RequestError, RequestStream
 from voice_server.session.config import SessionConfig
+from voice_server.session.connection import Engine
 from voice_server.session.conversation import Conversation, Item, new_id
 from voice_server.session.events import (
     ItemTruncated,
@@ -44,7 +45,7 @@ REPORT_GAP_S = 0.6
 
 
 class Responses:
-    def __init__(self, coordinator: Any, config: SessionConfig, emit: Emit) -> None:
+    def __init__(self, coordinator: Engine, config: SessionConfig, emit: Emit) -> None:
         self.coordinator, self.config, self.emit = coordinator, config, emit
         self.conversation = Conversation()
         self._response: asyncio.Task[None] | None = None

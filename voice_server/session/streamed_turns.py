@@ -16,7 +16,6 @@ resumes drops the request (aborted in every stage) and opens the turn again with
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +23,7 @@ import numpy.typing as npt
 from voice_server.audio import StreamResampler
 from voice_server.engine.requests import RequestError
 from voice_server.session.config import SessionConfig
+from voice_server.session.connection import Engine
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
 from voice_server.session.events import ResponseStarted, SessionError
 from voice_server.session.input_buffer import InputBuffer
@@ -38,7 +38,7 @@ work done for it)."""
 
 
 class StreamedTurns(Responses):
-    def __init__(self, coordinator: Any, config: SessionConfig, emit: Emit) -> None:
+    def __init__(self, coordinator: Engine, config: SessionConfig, emit: Emit) -> None:
         super().__init__(coordinator, config, emit)
         self.is_stream_input = bool(coordinator.cfg.stream_input)
         """The pipeline transcribes turns as they are spoken (see the module docstring)."""
@@ -63,6 +63,7 @@ class StreamedTurns(Responses):
             # NOTE: the turn goes on without it; its end falls back to a whole request.
             await self.emit(SessionError("pipeline_unavailable", str(exc)))
             return
+        assert stream.input is not None  # NOTE: a stream_input request always has its input stream
         run = ResponseRun(new_id("resp"), Item(new_id("item"), "assistant", status="in_progress"),
                           self.config.output_rate, self.emit, item_id, self.conversation)
         run.partial_sent = partial_sent

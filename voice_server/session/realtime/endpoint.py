@@ -37,7 +37,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voice_server.session.connection import ConnectionGuard, ConnectionTracker, MetricsSource, SessionAdmission
+from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -106,7 +106,7 @@ class RealtimeConnection:
     """One `/v1/realtime` connection: client events -> `Session`, its events -> the socket via `Bridge`."""
 
     def __init__(
-        self, websocket: WebSocket, coordinator: Any, guard: ConnectionGuard, metrics: ConnectionTracker,
+        self, websocket: WebSocket, coordinator: Engine, guard: ConnectionGuard, metrics: ConnectionTracker,
     ) -> None:
         self.websocket, self.guard, self.metrics = websocket, guard, metrics
         # NOTE: a new session's turn detection is the pipeline's default (the client may change it).

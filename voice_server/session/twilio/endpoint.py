@@ -34,7 +34,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.session.config import SessionConfig
-from voice_server.session.connection import ConnectionGuard, ConnectionTracker, MetricsSource, SessionAdmission
+from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -134,7 +134,7 @@ class TwilioConnection:
         assert sid is not None, "no frame is sent before start"
         return sid
 
-    async def serve(self, coordinator: Any) -> None:
+    async def serve(self, coordinator: Engine) -> None:
         try:
             async with asyncio.timeout(START_TIMEOUT_S):
                 start = await self._receive_start()
