@@ -11,6 +11,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from voice_server.config.errors import fail, show
 
@@ -49,8 +50,8 @@ class Number(Rule):
 
     def describe(self) -> str:
         noun = "an integer" if self.kind is int else "a number"
-        lo = None if self.minimum is None else f"{self.minimum:g}"
-        hi = None if self.maximum is None else f"{self.maximum:g}"
+        lo = None if self.minimum is None else _bound(self.minimum)
+        hi = None if self.maximum is None else _bound(self.maximum)
         if lo is not None and hi is not None:
             bounds = f" in {'(' if self.is_min_exclusive else '['}{lo}, {hi}]"
         elif lo is not None:
@@ -60,6 +61,11 @@ class Number(Rule):
         else:
             bounds = ""
         return f"{noun}{bounds}{' or null (auto)' if self.is_nullable else ''}"
+
+
+def _bound(value: float) -> str:
+    """A bound as a person writes it: 1000000, not 1e+06; 0.5 as 0.5."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,16 @@ class Choice(Rule):
 class Flag(Rule):
     def problem(self, value: object) -> str | None:
         return None if isinstance(value, bool) else f"must be true or false, got {show(value)}"
+
+
+def read_arg(where: str, args: Mapping[str, Any], key: str, rule: Rule, default: Any) -> Any:
+    """`args[key]` (`default` when absent) checked against `rule`: the one reader of a stage's
+    `factory_args`, whose ConfigError names `factory_args.<key>` with the rule's own wording."""
+    value = args.get(key, default)
+    problem = rule.problem(value)
+    if problem is not None:
+        raise fail(where, f"factory_args.{key}", problem)
+    return value
 
 
 def check_fields(where: str, obj: object, rules: Mapping[str, Rule]) -> None:

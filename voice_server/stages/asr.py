@@ -26,10 +26,10 @@ factory_args (all optional):
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from voice_server.config.errors import ConfigError, fail, quoted, show
+from voice_server.config.fields import Choice, Flag, Number, read_arg
 from voice_server.engine.runtime import StageContext
 from voice_server.runners.asr_decoders import DecoderOptions, DecoderPool
 from voice_server.runners.asr_recognizer import RecognizerPool
@@ -67,30 +67,20 @@ def create_asr(ctx: StageContext) -> AsrRunner:
     if stage.device != "cpu":
         raise fail(where, "device", f"the asr engines run on the CPU only, got {show(stage.device)}")
     args = ctx.known_args(FACTORY_ARGS)
-    engine = args.get("engine", "pocketsphinx")
-    if engine not in ENGINES:
-        raise fail(where, "factory_args.engine", f"must be one of {', '.join(ENGINES)}, got {show(engine)}")
+    engine = read_arg(where, args, "engine", Choice(ENGINES), "pocketsphinx")
     for key, owner in ENGINE_ARGS.items():
         if key in args and engine != owner:
             raise fail(where, f"factory_args.{key}", f"only for engine {owner}, this stage's engine is {engine}")
-    max_streams = args.get("max_streams", DEFAULT_MAX_STREAMS)
-    if isinstance(max_streams, bool) or not isinstance(max_streams, int) \
-            or not 1 <= max_streams <= MAX_STREAMS_LIMIT:
-        raise fail(where, "factory_args.max_streams", f"must be an integer in [1, {MAX_STREAMS_LIMIT}], "
-                   f"got {show(max_streams)}")
-    max_seconds = args.get("max_audio_seconds", DEFAULT_MAX_AUDIO_SECONDS)
-    if isinstance(max_seconds, bool) or not isinstance(max_seconds, int | float) or not 0 < max_seconds < math.inf:
-        raise fail(where, "factory_args.max_audio_seconds", f"must be a number > 0, got {show(max_seconds)}")
+    max_streams = read_arg(where, args, "max_streams", Number(int, minimum=1, maximum=MAX_STREAMS_LIMIT),
+                           DEFAULT_MAX_STREAMS)
+    max_seconds = read_arg(where, args, "max_audio_seconds", Number(float, minimum=0.0, is_min_exclusive=True),
+                           DEFAULT_MAX_AUDIO_SECONDS)
     config = AsrRunnerConfig(float(max_seconds))
     if engine == "whisper":
         return AsrRunner(_whisper_pool(ctx, where, max_streams, args, 4 * config.max_num_samples), config)
-    is_fwdflat: Any = args.get("fwdflat", False)
-    if not isinstance(is_fwdflat, bool):
-        raise fail(where, "factory_args.fwdflat", f"must be true or false, got {show(is_fwdflat)}")
-    max_hmms: Any = args.get("max_hmms_per_frame", DecoderOptions.max_hmms_per_frame)
-    if isinstance(max_hmms, bool) or not isinstance(max_hmms, int) or not 100 <= max_hmms <= MAX_HMMS_LIMIT:
-        raise fail(where, "factory_args.max_hmms_per_frame", f"must be an integer in [100, {MAX_HMMS_LIMIT}], "
-                   f"got {show(max_hmms)}")
+    is_fwdflat = read_arg(where, args, "fwdflat", Flag(), False)
+    max_hmms = read_arg(where, args, "max_hmms_per_frame", Number(int, minimum=100, maximum=MAX_HMMS_LIMIT),
+                        DecoderOptions.max_hmms_per_frame)
     log.info("stage %s: building %d PocketSphinx decoders (en-us, fwdflat %s, maxhmmpf %d)", stage.name,
              max_streams, "on" if is_fwdflat else "off", max_hmms)
     try:
@@ -106,10 +96,7 @@ def create_asr(ctx: StageContext) -> AsrRunner:
 def _whisper_pool(
     ctx: StageContext, where: str, max_streams: int, args: dict[str, Any], buffer_bytes: int,
 ) -> RecognizerPool:
-    num_threads = args.get("num_threads", 1)
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or not 1 <= num_threads <= MAX_THREADS:
-        raise fail(where, "factory_args.num_threads", f"must be an integer in [1, {MAX_THREADS}], "
-                   f"got {show(num_threads)}")
+    num_threads = read_arg(where, args, "num_threads", Number(int, minimum=1, maximum=MAX_THREADS), 1)
     log.info("stage %s: loading Whisper tiny.en (int8, %d threads) for %d streams", ctx.stage.name, num_threads,
              max_streams)
     try:

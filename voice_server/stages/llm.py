@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from voice_server.config.errors import ConfigError, fail, quoted, show
+from voice_server.config.fields import Choice, Number, read_arg
 from voice_server.engine.runtime import StageContext
 from voice_server.models.llama import GGUFTokenizer, LlamaForCausalLM, find_smollm2_gguf, load_llama
 from voice_server.models.llama.gguf_file import GGUFFile
@@ -68,25 +69,25 @@ def create_llm(ctx: StageContext) -> DecoderRunner:
     stage = ctx.stage
     where = f"stage {quoted(stage.name)}"
     args = ctx.known_args(FACTORY_ARGS)
-    dtype_name = _choice(where, args, "dtype", DTYPES, "auto")
+    dtype_name = read_arg(where, args, "dtype", Choice(DTYPES), "auto")
     dtype = (default_dtype() if stage.device == "cpu" else torch.bfloat16) if dtype_name == "auto" \
         else resolve_dtype(dtype_name)
-    quantization = _choice(where, args, "quantization", QUANTIZATIONS, "auto")
-    kv_cache_dtype = _choice(where, args, "kv_cache_dtype", KV_CACHE_DTYPES, "auto")
+    quantization = read_arg(where, args, "quantization", Choice(QUANTIZATIONS), "auto")
+    kv_cache_dtype = read_arg(where, args, "kv_cache_dtype", Choice(KV_CACHE_DTYPES), "auto")
     if quantization == "auto":
         quantization = default_quantization() if stage.device == "cpu" else "none"
     elif quantization != "none" and stage.device != "cpu":
         raise fail(where, "factory_args.quantization", "int8/int4/w8a8/w4a8 use CPU kernels: only on device cpu")
-    page_size = _int(where, args, "page_size", 16, minimum=1) or 16
-    max_model_len = _int(where, args, "max_model_len", None, minimum=2)
-    sampler_seed = _int(where, args, "sampler_seed", None, minimum=0)
+    page_size = read_arg(where, args, "page_size", Number(int, minimum=1, is_nullable=True), 16) or 16
+    max_model_len = read_arg(where, args, "max_model_len", Number(int, minimum=2, is_nullable=True), None)
+    sampler_seed = read_arg(where, args, "sampler_seed", Number(int, minimum=0, is_nullable=True), None)
     is_batch_invariant = args.get("batch_invariant", True)
     if not isinstance(is_batch_invariant, bool):
         raise fail(where, "factory_args.batch_invariant", f"must be true or false, got {show(is_batch_invariant)}")
     is_compiled = args.get("compile", False)
     if not isinstance(is_compiled, bool):
         raise fail(where, "factory_args.compile", f"must be true or false, got {show(is_compiled)}")
-    num_threads = _int(where, args, "num_threads", None, minimum=1)
+    num_threads = read_arg(where, args, "num_threads", Number(int, minimum=1, is_nullable=True), None)
     if num_threads is not None:
         # NOTE: per stage process: torch's default is every core, which several stage processes on
         # one CPU would oversubscribe (SmolLM2 int4: 2 threads decode ~1.3x faster than 1 here).
@@ -178,19 +179,3 @@ def load_hf_tokenizer(directory: Path) -> GGUFTokenizer | None:
         chat_template=tok_config.get("chat_template"),
         default_system_prompt=None,
     )
-
-
-def _choice(where: str, args: dict[str, Any], key: str, choices: tuple[str, ...], default: str) -> str:
-    value = args.get(key, default)
-    if value not in choices:
-        raise fail(where, f"factory_args.{key}", f"must be one of {', '.join(choices)}, got {show(value)}")
-    return str(value)
-
-
-def _int(where: str, args: dict[str, Any], key: str, default: int | None, minimum: int) -> int | None:
-    value = args.get(key, default)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise fail(where, f"factory_args.{key}", f"must be an integer >= {minimum}, got {show(value)}")
-    return value

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from voice_server.config.errors import fail, quoted, show
+from voice_server.config.fields import Flag, Number, read_arg
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.loading import Part, load_part
@@ -57,18 +58,12 @@ class OmniArgs:
         return module
 
     def flag_arg(self, key: str, default: bool) -> bool:
-        value = self.extra.get(key, default)
-        if not isinstance(value, bool):
-            raise fail(self.where, f"factory_args.{key}", f"must be true or false, got {show(value)}")
-        return value
+        return bool(read_arg(self.where, self.extra, key, Flag(), default))
 
     def int_arg(self, key: str, default: int | None, minimum: int) -> int | None:
-        value = self.extra.get(key, default)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise fail(self.where, f"factory_args.{key}", f"must be an integer >= {minimum}, got {show(value)}")
-        return value
+        rule = Number(int, minimum=minimum, is_nullable=True)  # NOTE: null: the default
+        value: int | None = read_arg(self.where, self.extra, key, rule, default)
+        return default if value is None else value
 
 
 def preset_config(preset: str) -> Qwen3OmniConfig:

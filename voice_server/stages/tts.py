@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
 
 from voice_server.config.errors import fail, quoted, show
+from voice_server.config.fields import Number, read_arg
 from voice_server.engine.runtime import StageContext
 from voice_server.runners.clauses import ClauseRules
 from voice_server.runners.speech_edges import EdgeRules
@@ -57,12 +57,12 @@ def create_tts(ctx: StageContext) -> TTSRunner:
     label, voice, load = ENGINES[engine]
     if stage.device != "cpu":
         raise fail(where, "device", f"{label} runs on the CPU (onnxruntime): must be cpu, got {show(stage.device)}")
-    num_threads = _int(where, args, "num_threads", 1, minimum=1)
+    num_threads = read_arg(where, args, "num_threads", Number(int, minimum=1), 1)
     try:
-        rules = ClauseRules(_int(where, args, "min_clause_chars", 10, minimum=1),
-                            _int(where, args, "max_clause_chars", 240, minimum=2),
-                            _int(where, args, "max_first_clause_chars", 48, minimum=2),
-                            _int(where, args, "min_first_phrase_chars", 12, minimum=0))
+        rules = ClauseRules(read_arg(where, args, "min_clause_chars", Number(int, minimum=1), 10),
+                            read_arg(where, args, "max_clause_chars", Number(int, minimum=2), 240),
+                            read_arg(where, args, "max_first_clause_chars", Number(int, minimum=2), 48),
+                            read_arg(where, args, "min_first_phrase_chars", Number(int, minimum=0), 12))
     except ValueError as exc:
         field = "max_first_clause_chars" if "max_first_clause_chars" in str(exc) else "max_clause_chars"
         raise fail(where, f"factory_args.{field}", str(exc)) from exc
@@ -74,15 +74,15 @@ def create_tts(ctx: StageContext) -> TTSRunner:
     is_trimmed = args.get("trim_silence", True)
     if not isinstance(is_trimmed, bool):
         raise fail(where, "factory_args.trim_silence", f"must be true or false, got {show(is_trimmed)}")
-    pauses = {key: _int(where, args, key, default, minimum=0)
+    pauses = {key: read_arg(where, args, key, Number(int, minimum=0), default)
               for key, default in (("clause_pause_ms", 150), ("sentence_pause_ms", 300))}
     try:
         edges = EdgeRules(is_trimmed=is_trimmed, **pauses)
     except ValueError as exc:
         field = next((key for key in pauses if key in str(exc)), "sentence_pause_ms")
         raise fail(where, f"factory_args.{field}", str(exc)) from exc
-    config = TTSRunnerConfig(float(speed), _int(where, args, "seed", 0, minimum=0),
-                             _int(where, args, "max_text_chars", 32768, minimum=1), rules, edges)
+    config = TTSRunnerConfig(float(speed), read_arg(where, args, "seed", Number(int, minimum=0), 0),
+                             read_arg(where, args, "max_text_chars", Number(int, minimum=1), 32768), rules, edges)
 
     start = time.perf_counter()
     ctx.progress(f"loading {label} (voice {voice}, {num_threads} thread(s))")
@@ -91,10 +91,3 @@ def create_tts(ctx: StageContext) -> TTSRunner:
     warm_s = runner.warm_up()
     log.info("stage %s: %s ready in %.2f s (warm-up %.2f s)", stage.name, label, time.perf_counter() - start, warm_s)
     return runner
-
-
-def _int(where: str, args: dict[str, Any], key: str, default: int, minimum: int) -> int:
-    value = args.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise fail(where, f"factory_args.{key}", f"must be an integer >= {minimum}, got {show(value)}")
-    return value
