@@ -96,6 +96,23 @@ def test_a_draw_moves_no_state_until_committed() -> None:
         assert torch.equal(*step)
 
 
+def test_forks_move_no_state_until_committed() -> None:
+    """`fork` (a step that draws its own noise, as the talker does) copies what `draw` would draw from."""
+    ids, seeds, cpu = ["seeded", "unseeded"], [3, None], torch.device("cpu")
+    sampler, reference = Sampler(seed=0), Sampler(seed=0)
+    first = [torch.empty(VOCAB).exponential_(generator=g) for _, g in sampler.fork(ids, seeds, cpu).generators]
+    assert sampler.generators == {}
+    forks = sampler.fork(ids, seeds, cpu)
+    again = [torch.empty(VOCAB).exponential_(generator=g) for _, g in forks.generators]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    sampler.commit(forks)
+    logits, params = _logits(2, seed=6), [SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=1.0)]
+    reference.sample(logits, ids, params, [(), ()])  # NOTE: one committed draw of one noise row each
+    for _ in range(3):
+        step = [sampler.sample(logits, ids, params, [(), ()]), reference.sample(logits, ids, params, [(), ()])]
+        assert torch.equal(*step)
+
+
 def _byte_level_tokenizer() -> Tokenizer:
     """Single bytes plus a few merged tokens, so multi-byte characters split across tokens."""
     spelling = bytes_to_unicode()

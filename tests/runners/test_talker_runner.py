@@ -24,6 +24,7 @@ from voice_server.models.qwen3_omni.turn import ThinkerTurn, generate_frames, ru
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
 from voice_server.runners.thinker_runner import TALKER_FEED_KEY
 from voice_server.scheduling import ARScheduler, Emit, EmitKind, WorkItem, WorkKind
+from voice_server.scheduling.contract import ARSeq
 
 torch.set_num_threads(1)
 CFG = Qwen3OmniConfig.from_hf_dict(tiny_config_dict())
@@ -181,3 +182,74 @@ def test_a_reply_stops_at_the_models_positions() -> None:
     num_frames = sum(e.payload["codes"].shape[1] for e in emits if "codes" in e.payload)
     assert [e.kind for e in emits if e.kind is not EmitKind.STREAM] == [EmitKind.RESULT], emits[-1]
     assert 0 < num_frames < 512
+
+
+class FailingRunner(TalkerRunner):
+    """Has no frame for a request named `bad*`: a step that makes one raises after it drew every frame's
+    noise and (in batch order) built its other sequences' frames, as a frame out of device memory would."""
+
+    def _frame_data(self, seq: ARSeq, codes: torch.Tensor) -> dict[str, Any]:
+        if seq.request_id.startswith("bad"):
+            raise RuntimeError(f"no frame for {seq.request_id}")
+        return super()._frame_data(seq, codes)
+
+
+def serve_with_failures(sampling: TalkerSampling, bad_steps: tuple[int, ...]) -> torch.Tensor:
+    """Request `a`'s frames under the scheduler (the stage's loop, failed batches included) on a fresh runner
+    (the same seed stream every time), with a `bad*` request joining at each step in `bad_steps`."""
+    thinker, talker = models()
+    # NOTE: seed 16: the sampled reply runs all 24 frames (the dummy talker often samples codec EOS early).
+    config = TalkerRunnerConfig(budget_bytes=256 << 20, thinker_hidden_size=32, page_size=4, sampling=sampling,
+                                seed=16, decode_graphs="off")
+    runner = FailingRunner(talker, turn_token_ids(CFG), config)
+    sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=64, prefix_cache=False)
+    prompt = tiny_prompt_ids(num_user_text=5)
+    turn = run_greedy_thinker(thinker, torch.tensor([prompt]), CFG.talker.accept_hidden_layer, 10**6, 6)
+    chunks = thinker_chunks(thinker, turn, len(prompt))
+    arrivals: dict[int, list[str]] = {0: ["a"]}
+    for k, step in enumerate(bad_steps):
+        arrivals.setdefault(step, []).insert(0, f"bad{k}")  # NOTE: at step 0 before `a`: first in the batch
+    frames: list[torch.Tensor] = []
+    errors: dict[str, str | None] = {}
+    step = 0
+    while step <= max(arrivals) or sched.active_request_ids:
+        for rid in arrivals.get(step, []):
+            sched.add(runner.admit(WorkItem(rid, WorkKind.NEW, {}, {"talker": {"max_frames": 24}}, is_stream=True)),
+                      0.0)
+            for k, chunk in enumerate(chunks):
+                sched.add(runner.admit(WorkItem(rid, WorkKind.CHUNK, chunk, seq=k)), 0.0)
+            sched.add(runner.admit(WorkItem(rid, WorkKind.DONE, {}, seq=len(chunks))), 0.0)
+        step += 1
+        batch = sched.schedule(0.0)
+        if batch is None:
+            continue
+        try:
+            result = runner.execute(batch)
+        except RuntimeError as exc:
+            emits = sched.fail(batch, str(exc))
+        else:
+            emits = sched.update(batch, result)
+        for emit in emits:
+            if emit.request_id == "a" and "codes" in emit.payload:
+                frames.append(emit.payload["codes"])
+            if emit.kind is EmitKind.ERROR:
+                errors[emit.request_id] = emit.message
+            if emit.is_final:
+                runner.release(emit.request_id)
+    assert errors == {f"bad{k}": f"no frame for bad{k}" for k in range(len(bad_steps))}
+    return torch.cat(frames, dim=1)
+
+
+@pytest.mark.parametrize("sampling", [TalkerSampling.hf_sampling(), TalkerSampling()], ids=["sampled", "greedy"])
+def test_a_request_rerun_after_a_step_failed_midway_makes_the_frames_it_makes_undisturbed(
+    sampling: TalkerSampling,
+) -> None:
+    """Steps that raise after drawing are rerun member by member (the scheduler's policy); the requests'
+    generators, the seed stream and the fed-back frames (`TalkerFeed.codec_sums`, `code0_seen`) move only
+    for steps that succeeded, so the rerun request makes exactly the frames of a run where nothing failed."""
+    undisturbed = serve_with_failures(sampling, ())
+    # NOTE: at step 0 the bad request is first in the batch (it draws from the seed stream before `a`);
+    # later ones join after `a` in the batch, so the step fails after `a`'s frame was built.
+    disturbed = serve_with_failures(sampling, (0, 3, 7))
+    assert undisturbed.shape[1] >= 8
+    assert torch.equal(disturbed, undisturbed)

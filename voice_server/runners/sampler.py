@@ -5,6 +5,7 @@ sampling rows temperature, top-k, top-p. Greedy rows take the argmax of the pena
 Each request draws from its own `torch.Generator` (seeded from `SamplingParams.seed`), so a seeded
 request gives the same tokens whatever else is in the batch. `draw` advances no state: a step keeps
 its draws with `commit` once it succeeded, so a step that raised and is re-run draws the same noise.
+`fork` gives the same copies to a step that draws its own noise (the talker's pre-drawn frame noise).
 """
 
 from __future__ import annotations
@@ -73,6 +74,17 @@ def top_k_top_p_mask(logits: torch.Tensor, top_ks: Sequence[int], top_ps: Sequen
 
 
 @dataclass(frozen=True)
+class Forks:
+    """Copies of some requests' generators for one step to draw from (`Sampler.fork`); `Sampler.commit`
+    keeps them, advanced by the step's draws, once the step succeeded."""
+
+    generators: tuple[tuple[str, torch.Generator], ...] = ()
+    """Request id -> a copy of its generator (a new request's is seeded as `Sampler` would seed it)."""
+    seeds: random.Random | None = None
+    """The seed stream after seeding this step's new unseeded requests (None: none was new)."""
+
+
+@dataclass(frozen=True)
 class Draw:
     """One step's sampled ids, and the state they leave, for `Sampler.commit` once the step succeeded."""
 
@@ -92,13 +104,23 @@ class Sampler:
         # NOTE: unseeded requests still get their own generator, seeded from this stream.
         self._seeds = random.Random(seed)
 
-    def generator(self, request_id: str, seed: int | None, device: torch.device) -> torch.Generator:
-        gen = self.generators.get(request_id)
-        if gen is None:
+    def fork(self, request_ids: Sequence[str], seeds: Sequence[int | None], device: torch.device) -> Forks:
+        """A copy of each request's generator (a new one seeded from `seeds[i]`, else from a copy of the
+        seed stream), for a step that draws its own noise; nothing held moves until `commit`."""
+        generators: list[tuple[str, torch.Generator]] = []
+        stream: random.Random | None = None
+        for request_id, seed in zip(request_ids, seeds, strict=True):
             gen = torch.Generator(device=device)
-            gen.manual_seed(seed if seed is not None else self._seeds.getrandbits(63))
-            self.generators[request_id] = gen
-        return gen
+            held = self.generators.get(request_id)
+            if held is not None:
+                gen.set_state(held.get_state())
+            elif seed is not None:
+                gen.manual_seed(seed)
+            else:
+                stream = stream or copy.copy(self._seeds)
+                gen.manual_seed(stream.getrandbits(63))
+            generators.append((request_id, gen))
+        return Forks(tuple(generators), stream)
 
     def release(self, request_id: str) -> None:
         self.generators.pop(request_id, None)
@@ -115,7 +137,7 @@ class Sampler:
         self.commit(draw)
         return draw.token_ids
 
-    def commit(self, draw: Draw) -> None:
+    def commit(self, draw: Draw | Forks) -> None:
         """Keep a step's draws: its requests' generators and the seed stream move past them."""
         self.generators.update(draw.generators)
         if draw.seeds is not None:
@@ -142,23 +164,11 @@ class Sampler:
         top_k_top_p_mask(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
         probs = scores.softmax(dim=-1)
         # NOTE: exponential race (argmax of p / E, E ~ Exp(1)) = a draw from p; one noise row per
-        # request from its own generator, then a single vectorised argmax.
+        # request from a copy of its generator (`fork`: the held state moves only at `commit`), then a
+        # single vectorised argmax.
+        forks = self.fork([request_ids[i] for i in rows], [params[i].seed for i in rows], device)
         noise = torch.empty_like(probs)
-        generators: list[tuple[str, torch.Generator]] = []
-        seeds: random.Random | None = None
-        for j, i in enumerate(rows):
-            # NOTE: each row draws from a copy of its request's generator (a new one seeds from a copy
-            # of the seed stream): the held state moves only at `commit`.
-            gen = torch.Generator(device=device)
-            held, seed = self.generators.get(request_ids[i]), params[i].seed
-            if held is not None:
-                gen.set_state(held.get_state())
-            elif seed is not None:
-                gen.manual_seed(seed)
-            else:
-                seeds = seeds or copy.copy(self._seeds)
-                gen.manual_seed(seeds.getrandbits(63))
+        for j, (_, gen) in enumerate(forks.generators):
             noise[j].exponential_(generator=gen)
-            generators.append((request_ids[i], gen))
         sampled = (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
-        return Draw(greedy.index_copy_(0, row_index, sampled), tuple(generators), seeds)
+        return Draw(greedy.index_copy_(0, row_index, sampled), forks.generators, forks.seeds)

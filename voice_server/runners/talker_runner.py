@@ -32,7 +32,7 @@ from voice_server.runners.talker_feed import TalkerFeed
 from voice_server.runners.talker_graphs import DEFAULT_BUCKETS, TalkerDecodeGraphs
 from voice_server.runners.thinker_runner import TALKER_FEED_KEY
 from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
-from voice_server.scheduling.contract import ARBatch, ARResult, ARSpec, SeqOutput
+from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +172,13 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         seen = torch.stack([f.code0_seen if f.code0_seen is not None
                             else torch.zeros(vocab, dtype=torch.bool, device=self.device) for f in frame_feeds]
                            ) if sampling else torch.zeros(0, vocab, dtype=torch.bool, device=self.device)
-        noise = None
+        noise, forks = None, None
         if self.is_sampled and sampling:
             # NOTE: both paths draw with noise pre-drawn from each request's generator, so a sampled
-            # request gets the same frames in a graph or eagerly (and in any batch).
-            generators = [self.sampler.generator(seqs[i].request_id, None, self.device) for i in sampling]
-            noise = FrameNoise.draw(self.talker, generators, self.device)
+            # request gets the same frames in a graph or eagerly (and in any batch). The noise comes from
+            # copies (`Sampler.fork`), kept only once the whole step succeeded (see the end of the step).
+            forks = self.sampler.fork([seqs[i].request_id for i in sampling], [None] * len(sampling), self.device)
+            noise = FrameNoise.draw(self.talker, [gen for _, gen in forks.generators], self.device)
         if self.graphs is not None and self.graphs.can_run(seqs):
             codes, codec_sums, seen = self.graphs.run(seqs, inputs, seen, noise)
         else:
@@ -201,11 +202,19 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         code0s = codes[:, 0].tolist()
         eos = self.talker.cfg.codec_eos_token_id
         outputs: list[SeqOutput] = [SeqOutput(None) for _ in seqs]
-        for j, (i, feed, code0) in enumerate(zip(sampling, frame_feeds, code0s)):
+        for j, (i, code0) in enumerate(zip(sampling, code0s)):
+            # NOTE: the reference never fills the EOS frame; it ends the reply.
+            outputs[i] = SeqOutput(code0) if code0 == eos else SeqOutput(code0, "", self._frame_data(seqs[i], codes[j]))
+        # NOTE: per-request state moves only now that nothing of the step can raise: a step that raised is
+        # re-run (its requests alone, `scheduling/solo.py`) and must then draw and feed back what it would have.
+        if forks is not None:
+            self.sampler.commit(forks)
+        for j, (feed, code0) in enumerate(zip(frame_feeds, code0s)):
             feed.code0_seen = seen[j]
-            if code0 == eos:
-                outputs[i] = SeqOutput(code0)  # NOTE: the reference never fills the EOS frame; it ends the reply
-                continue
-            feed.codec_sums.append(codec_sums[j])
-            outputs[i] = SeqOutput(code0, "", {"codes": codes[j][:, None].clone()})
+            if code0 != eos:
+                feed.codec_sums.append(codec_sums[j])
         return ARResult(tuple(outputs))
+
+    def _frame_data(self, seq: ARSeq, codes: torch.Tensor) -> dict[str, Any]:
+        """What a frame streams, from its codes [G]. Changes no state: the step commits once it succeeded."""
+        return {"codes": codes[:, None].clone()}

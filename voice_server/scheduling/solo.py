@@ -5,7 +5,8 @@ requests, none fails yet: each member is queued to re-run alone, before anything
 request whose solo step raises gets the error (a batch of one fails its request at once). Re-running
 is safe because a step that raised changed nothing a rerun depends on: a scheduler moves a request on
 only in `update`, and a runner that keeps per-request state either commits it once the whole step
-succeeded (`DecoderRunner`, `Code2WavRunner`) or fails its requests itself rather than raise (`AsrRunner`).
+succeeded (`DecoderRunner`, `TalkerRunner`, `Code2WavRunner`) or fails its requests itself rather than
+raise (`AsrRunner`).
 
 A member is whatever the scheduler re-runs: the work items of one request (simple), one chunk
 (code2wav), or a request id whose next step is planned afresh when its turn comes (ar).
