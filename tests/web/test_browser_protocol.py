@@ -272,7 +272,9 @@ def _converse(demo: DemoPage, scripted: ScriptedServer) -> None:
     # comes out at about 3/4 of the in-band tone's height; with it, below 1/1000).
     pcm = np.frombuffer(bytes(record["audio"]), "<i2").astype(np.float64)[-16000:]  # the last second: 1 Hz bins
     spectrum = np.abs(np.fft.rfft(pcm * np.hanning(pcm.size)))
-    assert np.argmax(spectrum) == IN_BAND_HZ
+    # NOTE: within one 1 Hz bin: a loaded browser that delivers one worklet quantum late moves the peak by a
+    # bin (make test saw 441 once); a wrong ratio moves it by tens of Hz (48 kHz read as 44.1: 405 Hz).
+    assert abs(int(np.argmax(spectrum)) - IN_BAND_HZ) <= 1, int(np.argmax(spectrum))
     alias_hz = 16000 - ABOVE_BAND_HZ
     assert spectrum[alias_hz - 10:alias_hz + 10].max() < 0.01 * spectrum[IN_BAND_HZ]
     assert record["typed"] == {"type": "text", "text": TYPED, "respond": True}
