@@ -21,8 +21,8 @@ from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.turn import ThinkerTurn, generate_frames, run_greedy_thinker, turn_token_ids
+from voice_server.runners.feed_chunk import TALKER_FEED_KEY
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
-from voice_server.runners.thinker_runner import TALKER_FEED_KEY
 from voice_server.scheduling import ARScheduler, Emit, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARSeq
 

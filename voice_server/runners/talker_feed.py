@@ -16,16 +16,13 @@ rebuilt from stored vectors, so a preempted request recomputes exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
-from voice_server.runners.payload import float_rows
+from voice_server.runners.feed_chunk import FeedChunk
 from voice_server.scheduling import AdmissionError
-
-_PROMPT_KEYS = ("prompt_ids", "prompt_embeds", "mm_hidden", "tts_embeds")
 
 
 @dataclass
@@ -54,18 +51,12 @@ class TalkerFeed:
             return 0
         return None if self.is_thinker_done else 1 + len(self.text_vectors)
 
-    def add_chunk(self, payload: dict[str, Any], hidden_size: int) -> None:
-        """One thinker chunk: a reply token's `embed` [1, H] (the first also with the prompt)."""
-        if not self.reply_embeds:
-            missing = [k for k in _PROMPT_KEYS if k not in payload]
-            if missing:
-                raise AdmissionError(f"chunk payload: the first thinker chunk lacks {', '.join(missing)}")
-            self.prompt_ids = _ids("chunk payload.prompt_ids", payload["prompt_ids"])
-            self.prompt_embeds = float_rows("chunk payload.prompt_embeds", payload["prompt_embeds"], hidden_size,
-                                       len(self.prompt_ids))
-            self.mm_hidden = float_rows("chunk payload.mm_hidden", payload["mm_hidden"], hidden_size, None)
-            self.tts_embeds = float_rows("chunk payload.tts_embeds", payload["tts_embeds"], hidden_size, 3)
-        self.reply_embeds.append(float_rows("chunk payload.embed", payload.get("embed"), hidden_size, 1)[0])
+    def add_chunk(self, chunk: FeedChunk) -> None:
+        """One thinker chunk: a reply token's embedding (the first also with the prompt)."""
+        if chunk.prompt is not None:
+            self.prompt_ids, self.prompt_embeds = chunk.prompt.token_ids, chunk.prompt.embeds
+            self.mm_hidden, self.tts_embeds = chunk.prompt.mm_hidden, chunk.prompt.tts_embeds
+        self.reply_embeds.append(chunk.embed[0])
 
     def advance(self, talker: Talker, ids: TurnTokenIds) -> list[int] | None:
         """Build the prefill and text vectors the received input allows; the prefill's placeholder
@@ -132,8 +123,3 @@ class TalkerFeed:
     def _dtype(talker: Talker) -> torch.dtype:
         return talker.codec_head.weight.dtype
 
-
-def _ids(where: str, value: Any) -> list[int]:
-    if not isinstance(value, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise AdmissionError(f"{where}: must be a list of token ids")
-    return list(value)

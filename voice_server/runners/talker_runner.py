@@ -26,11 +26,11 @@ from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.talker.step import FrameNoise, step_paged
+from voice_server.runners.feed_chunk import TALKER_FEED_KEY, FeedChunk
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
 from voice_server.runners.talker_feed import TalkerFeed
 from voice_server.runners.talker_graphs import DEFAULT_BUCKETS, TalkerDecodeGraphs
-from voice_server.runners.thinker_runner import TALKER_FEED_KEY
 from voice_server.scheduling import AdmissionError, Runner, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
 
@@ -126,11 +126,8 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         if feed is None:
             return item  # a request that already left: the scheduler drops it
         if item.kind is WorkKind.CHUNK:
-            chunk = item.payload.get(TALKER_FEED_KEY)
-            if not isinstance(chunk, dict):
-                raise AdmissionError(f"chunk payload.{TALKER_FEED_KEY}: missing (list the talker in a thinker's "
-                                     "stream_to)")
-            feed.add_chunk(chunk, self.config.thinker_hidden_size)
+            feed.add_chunk(FeedChunk.from_wire(item.payload.get(TALKER_FEED_KEY), self.config.thinker_hidden_size,
+                                               is_first=not feed.reply_embeds))
         else:
             feed.is_thinker_done = True
         with torch.inference_mode():

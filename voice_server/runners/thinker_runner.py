@@ -6,11 +6,11 @@ What it adds to a text decoder:
   are fed those embeddings; the prefix cache stops at the first placeholder (the ids of different
   clips are the same, their keys and values are not).
 - The Talker feed, when the stage streams to a talker (`feeds_talker`): every sampled token streams
-  with `_talker` = {`embed` [1, H] (its input embedding, which the talker projects as trailing text);
-  the first also with the prompt's `prompt_ids`, `prompt_embeds` [P, H], `mm_hidden` [N, H] (hidden
-  state at the talker's `accept_hidden_layer` at each audio position, captured while the prompt is
-  computed) and `tts_embeds` [3, H] (tts_bos, tts_eos, tts_pad)}. The leading underscore keeps it
-  off the client's outputs (the shell strips such keys from terminal outputs).
+  with a `FeedChunk` under `_talker` (`voice_server/runners/feed_chunk.py`): its input embedding [1, H],
+  which the talker projects as trailing text, the first also with the prompt (`PromptFeed`: its ids and
+  embeddings, the hidden state at the talker's `accept_hidden_layer` at each audio position, captured
+  while the prompt is computed, and tts_bos/eos/pad). The leading underscore keeps it off the client's
+  outputs (the shell strips such keys from terminal outputs).
 
 Text-and-audio prompts have M-RoPE positions 0..n-1 on all three axes (`thinker/rope.py`), so the
 flat positions of the paged context are the model's positions.
@@ -30,12 +30,12 @@ from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig, DecoderShape
+from voice_server.runners.feed_chunk import TALKER_FEED_KEY, FeedChunk, PromptFeed
 from voice_server.runners.payload import float_rows
 from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARSeq
 
 AUDIO_KEYS = ("audio_embeds", "audio_token_counts")
-TALKER_FEED_KEY = "_talker"
 """Where a token's talker feed travels in the stream payload (a `_` key: downstream stages only)."""
 
 
@@ -154,18 +154,15 @@ class ThinkerRunner(DecoderRunner):
         if not self.feeds_talker:
             return {}
         embed_tokens = self.thinker.model.language_model.embed_tokens
-        feed: dict[str, Any] = {"embed": embed_tokens(torch.tensor([token], device=self.device))}
+        embed = embed_tokens(torch.tensor([token], device=self.device))
         prompt = self.prompts.get(seq.request_id)
-        if prompt is not None and not prompt.is_prompt_sent:
-            hidden = self.shape.hidden_size
-            feed.update(
-                prompt_ids=list(prompt.token_ids),
-                prompt_embeds=embed_tokens(torch.tensor(prompt.token_ids, device=self.device)),
-                mm_hidden=prompt.mm_hidden if prompt.mm_hidden is not None
-                else torch.zeros(0, hidden, dtype=self.dtype, device=self.device),
-                tts_embeds=self.tts_embeds,
-            )
-        return {TALKER_FEED_KEY: feed}
+        if prompt is None or prompt.is_prompt_sent:
+            return {TALKER_FEED_KEY: FeedChunk(embed).to_wire()}
+        mm_hidden = prompt.mm_hidden if prompt.mm_hidden is not None \
+            else torch.zeros(0, self.shape.hidden_size, dtype=self.dtype, device=self.device)
+        sent = PromptFeed(list(prompt.token_ids), embed_tokens(torch.tensor(prompt.token_ids, device=self.device)),
+                          mm_hidden, self.tts_embeds)
+        return {TALKER_FEED_KEY: FeedChunk(embed, sent).to_wire()}
 
     def _commit(self, seq: ARSeq) -> None:
         # NOTE: the prompt counts as sent only once the step that streamed it succeeded: a step that
