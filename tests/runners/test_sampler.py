@@ -6,8 +6,9 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from voice_server.models.llama.tokenizer import bytes_to_unicode
+from voice_server.models.sampling import penalize_histories, race, top_k_top_p_mask
 from voice_server.runners.detok import Detokenizer, Piece, token_bytes_table
-from voice_server.runners.sampler import Sampler, apply_repetition_penalty, top_k_top_p_mask
+from voice_server.runners.sampler import Sampler
 from voice_server.scheduling.contract import SamplingParams
 
 torch.set_num_threads(1)
@@ -23,7 +24,7 @@ def test_repetition_penalty_matches_hf() -> None:
     logits = _logits(3)
     histories = [[5, 7, 7, 90, 0], [], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
     penalties = [1.3, 1.3, 0.7]
-    ours = apply_repetition_penalty(logits.clone(), histories, penalties)
+    ours = penalize_histories(logits.clone(), histories, penalties)
     for row in (0, 2):
         processor = generation.RepetitionPenaltyLogitsProcessor(penalties[row])
         expected = processor(torch.tensor([histories[row]]), logits[row : row + 1].clone())
@@ -42,8 +43,27 @@ def test_top_k_top_p_match_hf() -> None:
             expected = generation.TopKLogitsWarper(k)(None, expected)
         if p < 1.0:
             expected = generation.TopPLogitsWarper(p)(None, expected)
-        assert torch.equal(torch.isinf(ours[row]), torch.isinf(expected[0])), row
+        assert torch.equal(ours[row], expected[0]), row
     assert not torch.isinf(ours[3]).any()
+
+
+def test_a_shared_setting_masks_as_the_same_setting_per_row() -> None:
+    # The talker passes one setting for all rows (kept a Python scalar, capturable); the runners pass one
+    # per row: both are the same processors and give the same scores.
+    logits = _logits(6, seed=4)
+    for k, p in ((7, 1.0), (0, 0.7), (12, 0.85), (VOCAB, 1.0)):
+        assert torch.equal(top_k_top_p_mask(logits, [k], [p]), top_k_top_p_mask(logits, [k] * 6, [p] * 6)), (k, p)
+    mixed = top_k_top_p_mask(logits, [3, 0, 3, 0, 50, 0], [1.0, 1.0, 0.5, 0.5, 0.9, 1.0])
+    assert [int(torch.isfinite(row).sum()) for row in mixed[:2]] == [3, VOCAB]
+
+
+def test_race_draws_from_probs_and_survives_zero_noise() -> None:
+    probs = torch.tensor([[0.0, 0.25, 0.75]]).expand(4000, -1)
+    noise = torch.empty(4000, 3).exponential_(generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(race(probs, noise), minlength=3).tolist()
+    assert counts[0] == 0 and 0.7 < counts[2] / 4000 < 0.8
+    # An exact 0 drawn as noise would make probs / noise inf or nan (0 / 0) in every row it touches.
+    assert race(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2)).tolist() == [1]
 
 
 def test_top_k_one_is_greedy_and_seeded_rows_ignore_the_batch() -> None:

@@ -1,4 +1,5 @@
-"""Token sampling for a batch of sequences, vectorised over the batch.
+"""Token sampling for a batch of sequences, vectorised over the batch: each request's own settings and
+generator, over the processors of `voice_server/models/sampling.py`.
 
 Order and semantics follow transformers: repetition penalty (over prompt and output ids), then for
 sampling rows temperature, top-k, top-p. Greedy rows take the argmax of the penalised logits.
@@ -17,60 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from voice_server.models.sampling import penalize_histories, per_row, race, top_k_top_p_mask
 from voice_server.scheduling.contract import SamplingParams
-
-
-def apply_repetition_penalty(
-    logits: torch.Tensor, histories: Sequence[Sequence[int]], penalties: Sequence[float]
-) -> torch.Tensor:
-    """In place on logits [S, V]: HF `RepetitionPenaltyLogitsProcessor` per row (divide positive,
-    multiply negative scores of every id seen). Rows with penalty 1 or no history are untouched."""
-    rows = [i for i, (h, p) in enumerate(zip(histories, penalties, strict=True)) if p != 1.0 and h]
-    if not rows:
-        return logits
-    max_len = max(len(histories[i]) for i in rows)
-    # NOTE: pad with the row's own first id: a repeated index scatters the same value twice.
-    ids = torch.tensor(
-        [list(histories[i]) + [histories[i][0]] * (max_len - len(histories[i])) for i in rows],
-        dtype=torch.long,
-        device=logits.device,
-    )
-    row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    penalty = torch.tensor([penalties[i] for i in rows], dtype=logits.dtype, device=logits.device)[:, None]
-    sub = logits.index_select(0, row_index)
-    score = sub.gather(1, ids)
-    score = torch.where(score < 0, score * penalty, score / penalty)
-    logits.index_copy_(0, row_index, sub.scatter(1, ids, score))
-    return logits
-
-
-def top_k_top_p_mask(logits: torch.Tensor, top_ks: Sequence[int], top_ps: Sequence[float]) -> torch.Tensor:
-    """In place on logits [S, V] (already divided by temperature): -inf outside each row's top-k
-    (0 = off) and outside its smallest set of tokens whose probability reaches top-p (1 = off)."""
-    vocab_size = logits.shape[1]
-    is_top_p = any(p < 1.0 for p in top_ps)
-    if not is_top_p and not any(k > 0 for k in top_ks):
-        return logits
-    device = logits.device
-    ks = torch.tensor([k if 0 < k < vocab_size else vocab_size for k in top_ks], device=device)
-    if is_top_p:
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-    else:
-        sorted_logits, sorted_ids = logits.topk(int(ks.max()), dim=-1)
-    ranks = torch.arange(sorted_logits.shape[1], device=device)[None, :]
-    # NOTE: HF keeps every token scoring at least the k-th (ties at the boundary survive).
-    kth = sorted_logits.gather(1, (ks - 1).clamp(max=sorted_logits.shape[1] - 1)[:, None])
-    remove = logits < kth
-    if is_top_p:
-        sorted_logits = sorted_logits.masked_fill(ranks >= ks[:, None], float("-inf"))
-        probs = sorted_logits.softmax(dim=-1)
-        # NOTE: top_p 1 is off, not "keep mass 1": a float cumsum may reach 1 before the last token.
-        ps = torch.tensor([p if p < 1.0 else 2.0 for p in top_ps], dtype=probs.dtype, device=device)[:, None]
-        # A token goes when the tokens ranked above it already reach top_p (the first always stays).
-        sorted_remove = (probs.cumsum(dim=-1) - probs) >= ps
-        sorted_remove[:, 0] = False
-        remove |= torch.zeros_like(remove).scatter(1, sorted_ids, sorted_remove)
-    return logits.masked_fill_(remove, float("-inf"))
 
 
 @dataclass(frozen=True)
@@ -152,23 +101,20 @@ class Sampler:
     ) -> Draw:
         """logits [S, V] -> token ids [S], leaving every held generator and the seed stream as they were."""
         logits = logits.float()
-        apply_repetition_penalty(logits, histories, [p.repetition_penalty for p in params])
+        penalize_histories(logits, histories, [p.repetition_penalty for p in params])
         greedy = logits.argmax(dim=-1)
         rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if not rows:
             return Draw(greedy)
         device = logits.device
         row_index = torch.tensor(rows, dtype=torch.long, device=device)
-        temps = torch.tensor([params[i].temperature for i in rows], dtype=logits.dtype, device=device)
-        scores = logits.index_select(0, row_index) / temps[:, None]
-        top_k_top_p_mask(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows])
-        probs = scores.softmax(dim=-1)
-        # NOTE: exponential race (argmax of p / E, E ~ Exp(1)) = a draw from p; one noise row per
-        # request from a copy of its generator (`fork`: the held state moves only at `commit`), then a
-        # single vectorised argmax.
+        scores = logits.index_select(0, row_index) / per_row([params[i].temperature for i in rows], logits)
+        probs = top_k_top_p_mask(scores, [params[i].top_k for i in rows], [params[i].top_p for i in rows]).softmax(-1)
+        # NOTE: the exponential race (`race`) with one noise row per request from a copy of its generator
+        # (`fork`: the held state moves only at `commit`), then a single vectorised argmax.
         forks = self.fork([request_ids[i] for i in rows], [params[i].seed for i in rows], device)
         noise = torch.empty_like(probs)
         for j, (_, gen) in enumerate(forks.generators):
             noise[j].exponential_(generator=gen)
-        sampled = (probs / noise.clamp_min_(torch.finfo(probs.dtype).tiny)).argmax(dim=-1)
+        sampled = race(probs, noise)
         return Draw(greedy.index_copy_(0, row_index, sampled), forks.generators, forks.seeds)

@@ -14,7 +14,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 from voice_server.models.qwen3_omni.presets import tiny_config_dict
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
 from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
-from voice_server.models.qwen3_omni.talker.sampling import SamplingParams, select_tokens
+from voice_server.models.qwen3_omni.talker.sampling import CodebookSampling, select_tokens
 
 torch.set_num_threads(1)
 ATOL = 1e-4
@@ -83,7 +83,7 @@ def test_sampled_frame_matches_hf_with_same_seed() -> None:
     ours, hf = build_pair(16, seed=5)
     g = torch.Generator().manual_seed(8)
     talker_hidden, code0_embed = torch.randn(2, H, generator=g), torch.randn(2, H, generator=g)
-    params = SamplingParams(is_greedy=False, temperature=1.0, top_k=50, top_p=0.8)
+    params = CodebookSampling(is_greedy=False, temperature=1.0, top_k=50, top_p=0.8)
     torch.manual_seed(123)
     ref = hf_frame(hf, talker_hidden, code0_embed, do_sample=True, top_k=50, top_p=0.8)
     fill = ours.fill(talker_hidden, code0_embed, params, torch.Generator().manual_seed(123))
@@ -95,11 +95,11 @@ def test_sampled_frame_matches_hf_with_same_seed() -> None:
 def test_select_tokens_top_k_top_p_restrict_support() -> None:
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]]).expand(200, -1)
     gen = torch.Generator().manual_seed(0)
-    top2 = select_tokens(logits, SamplingParams(is_greedy=False, top_k=2), gen)
+    top2 = select_tokens(logits, CodebookSampling(is_greedy=False, top_k=2), gen)
     assert set(top2.tolist()) == {0, 1}
     # softmax([4,3,2,1,0]) = [.64, .24, .09, ..]: top-p 0.8 keeps ids 0 and 1 only.
-    nucleus = select_tokens(logits, SamplingParams(is_greedy=False, top_p=0.8), gen)
+    nucleus = select_tokens(logits, CodebookSampling(is_greedy=False, top_p=0.8), gen)
     assert set(nucleus.tolist()) == {0, 1}
-    assert select_tokens(logits[:1], SamplingParams()).item() == 0
+    assert select_tokens(logits[:1], CodebookSampling()).item() == 0
     with pytest.raises(ValueError, match="top_p"):
-        SamplingParams(top_p=0.0)
+        CodebookSampling(top_p=0.0)

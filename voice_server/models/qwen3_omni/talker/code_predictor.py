@@ -24,7 +24,7 @@ from voice_server.models.layers import (
 )
 from voice_server.models.qwen3_omni.talker.config import CodePredictorConfig
 from voice_server.models.qwen3_omni.talker.sampling import (
-    SamplingParams,
+    CodebookSampling,
     select_token_rows,
     select_tokens,
     select_with_noise,
@@ -96,7 +96,7 @@ class CodePredictor(nn.Module):
         self,
         talker_hidden: torch.Tensor,
         code0_embed: torch.Tensor,
-        params: SamplingParams | None = None,
+        params: CodebookSampling | None = None,
         generator: torch.Generator | None = None,
     ) -> FrameFill:
         """Codes 1..G-1 of one frame from the talker's last post-norm hidden [B, H] and
@@ -106,14 +106,14 @@ class CodePredictor(nn.Module):
             ("talker_hidden", talker_hidden, "[B, H]", FLOATING), ("code0_embed", code0_embed, "[B, H]", FLOATING),
             dims={"H": self.cfg.hidden_size},
         )
-        params = params or SamplingParams()
+        params = params or CodebookSampling()
         return self._fill(talker_hidden, code0_embed, lambda logits: select_tokens(logits, params, generator))
 
     def fill_rows(
         self,
         talker_hidden: torch.Tensor,
         code0_embed: torch.Tensor,
-        params: Sequence[SamplingParams],
+        params: Sequence[CodebookSampling],
         generators: Sequence[torch.Generator | None],
     ) -> FrameFill:
         """`fill` for S sequences of a batch, row i selecting with its own `params[i]` / `generators[i]`
@@ -125,7 +125,7 @@ class CodePredictor(nn.Module):
         return self._fill(talker_hidden, code0_embed, lambda logits: select_token_rows(logits, params, generators))
 
     def fill_with_noise(
-        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, params: SamplingParams, noise: torch.Tensor,
+        self, talker_hidden: torch.Tensor, code0_embed: torch.Tensor, params: CodebookSampling, noise: torch.Tensor,
     ) -> FrameFill:
         """`fill` for S rows sharing `params`, drawing code k with pre-drawn Exp(1) noise[:, k - 1]
         (noise [S, G-1, codebook]; `select_with_noise`): no generator call, so it can be captured."""

@@ -18,11 +18,8 @@ from voice_server.models.qwen3_omni.moe import SparseMoeBlock
 from voice_server.models.qwen3_omni.mrope import MRoPE
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
-from voice_server.models.qwen3_omni.talker.sampling import (
-    TalkerSampling,
-    apply_repetition_penalty,
-    select_tokens,
-)
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling, select_tokens
+from voice_server.models.sampling import penalize_seen
 from voice_server.models.shapes import FLOATING, expect_shapes
 
 
@@ -150,7 +147,7 @@ class Talker(nn.Module):
         """Raw logits [B, V] -> code 0 [B]; marks the choice in `code0_seen` [B, V] in place."""
         scores = logits.float()
         if code0_seen is not None:
-            scores = apply_repetition_penalty(scores, code0_seen, sampling.repetition_penalty)
+            scores = penalize_seen(scores, code0_seen, sampling.repetition_penalty)
         if sampling.is_suppress_control:
             scores = scores.masked_fill(self.suppress_mask(scores.device), float("-inf"))
         code0 = select_tokens(scores, sampling.code0, generator)

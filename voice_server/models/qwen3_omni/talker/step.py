@@ -15,12 +15,8 @@ import torch
 
 from voice_server.models.paged import PagedAttention
 from voice_server.models.qwen3_omni.talker.model import Talker
-from voice_server.models.qwen3_omni.talker.sampling import (
-    TalkerSampling,
-    apply_repetition_penalty,
-    select_token_rows,
-    select_with_noise,
-)
+from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling, select_token_rows, select_with_noise
+from voice_server.models.sampling import penalize_seen, per_row
 from voice_server.models.shapes import FLOATING, expect_shapes
 
 
@@ -53,13 +49,6 @@ class TalkerPagedStep:
     logits: torch.Tensor  # [S, V]: raw codec_head logits there
 
 
-def _per_row(values: list[float], device: torch.device) -> float | torch.Tensor:
-    """One value when every row shares it (the common case: no tensor built per step), else [S, 1]."""
-    if len(set(values)) == 1:
-        return values[0]
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
-
-
 def select_code0_rows(
     talker: Talker,
     logits: torch.Tensor,
@@ -73,8 +62,7 @@ def select_code0_rows(
     through `select_with_noise`."""
     scores = logits.float()
     if code0_seen is not None:
-        penalty = _per_row([s.repetition_penalty for s in samplings], scores.device)
-        scores = apply_repetition_penalty(scores, code0_seen, penalty)
+        scores = penalize_seen(scores, code0_seen, per_row([s.repetition_penalty for s in samplings], scores))
     is_suppress = [s.is_suppress_control for s in samplings]
     if any(is_suppress):
         mask = talker.suppress_mask(scores.device)
