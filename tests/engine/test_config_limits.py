@@ -27,7 +27,7 @@ from voice_server.config.pipeline import PIPELINE_RULES, SCHEDULERS, STAGE_RULES
 from voice_server.config.topology import RESERVED_PROCESS_NAMES
 from voice_server.engine import ipc
 from voice_server.engine.runtime import StageContext, create_runner, create_scheduler
-from voice_server.relay.shm import SHM_DIR as RELAY_SHM_DIR
+from voice_server.relay.shm_segments import SHM_DIR as RELAY_SHM_DIR
 from voice_server.scheduling import SCHEDULER_BUILDERS, check_schedulers
 from voice_server.scheduling.contract import ARSpec, Code2WavSpec
 from voice_server.stages.numeric import Echo

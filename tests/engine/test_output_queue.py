@@ -6,7 +6,8 @@ import asyncio
 
 import numpy as np
 
-from voice_server.engine.requests import RequestTable, TerminalOutput
+from voice_server.engine.request_table import RequestTable
+from voice_server.engine.requests import TerminalOutput
 
 
 def audio(stage: str, start: int, num: int, rate: int = 24000) -> TerminalOutput:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "server"))
 from session_server import SessionServer, serve  # noqa: E402
 
-from voice_server.session.twilio.endpoint import TwilioSettings  # noqa: E402
+from voice_server.session.twilio.settings import TwilioSettings  # noqa: E402
 
 MAX_TOKENS = 24  # NOTE: ~1.9 s of reply audio: long enough to be spoken over after the listener's pause
 ENTRIES = ("time_to_first_audio", "turn", "underrun", "gen_ms_per_audio_s", "barge_in")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from voice_server.relay import ShmSlab, pack, sweep, unpack
-from voice_server.relay.shm import SHM_DIR, list_segments
+from voice_server.relay.shm_segments import SHM_DIR, list_segments
 
 sys.path.insert(0, str(Path(__file__).parent))
 import relay_workers

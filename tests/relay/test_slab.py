@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from voice_server.relay import ShmReader, ShmSlab, sweep
-from voice_server.relay.shm import ALIGN, SHM_DIR, list_segments
+from voice_server.relay.shm import ALIGN
+from voice_server.relay.shm_segments import SHM_DIR, list_segments
 
 
 @pytest.fixture()

@@ -25,7 +25,7 @@ from session_server import SessionServer
 from speech_signals import signal_of
 from twilio_phone import Phone, ulaw_of
 
-from voice_server.session.twilio.endpoint import TwilioSettings
+from voice_server.session.twilio.settings import TwilioSettings
 
 SPOKEN = signal_of(RATE, ("noise", 300), ("voice", 900), ("noise", 700))
 PCM24_BYTES_PER_MS = 48

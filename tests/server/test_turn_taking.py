@@ -34,7 +34,7 @@ from websockets.sync.client import ClientConnection, connect
 from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
 from voice_server.config.loading import load_pipeline
 from voice_server.session.events import ResponsePaused, ResponseResumed, SpeechStarted
-from voice_server.session.twilio.endpoint import TwilioSettings
+from voice_server.session.twilio.settings import TwilioSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 FRAME = ASR_RATE // 50

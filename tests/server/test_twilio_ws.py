@@ -21,7 +21,7 @@ from voice_server.audio import ResamplerSpec, ulaw_decode
 from voice_server.session.conversation import cut_text
 from voice_server.session.events import ItemTruncated, ResponseDone, ResponseStarted, SpeechStarted, TextDelta
 from voice_server.session.twilio import TwilioDtmf, TwilioMediaFormat, TwilioStart
-from voice_server.session.twilio.endpoint import TwilioSettings
+from voice_server.session.twilio.settings import TwilioSettings
 
 TURN = ulaw_of(signal_of(16000, ("noise", 300), ("voice", 900)))
 WORD_SAMPLES = 640  # NOTE: the stand-in stage speaks 80 ms per word: 640 samples at 8 kHz

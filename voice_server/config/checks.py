@@ -27,7 +27,7 @@ from voice_server.config.errors import fail, one_line
 from voice_server.config.pipeline import PipelineConfig, StageConfig
 
 SHM_DIR = "/dev/shm"
-"""Where relay slabs live (the same directory as `voice_server.relay.shm.SHM_DIR`, which pulls in numpy
+"""Where relay slabs live (the same directory as `voice_server.relay.shm_segments.SHM_DIR`, which pulls in numpy
 and the relay package, so it is not imported here)."""
 
 

@@ -4,7 +4,9 @@ It launches the stage processes, admits requests within the engine's limits, rou
 to the entry stage, merges terminal outputs (text and audio, in arrival order) into one async
 iterator per request, ends requests at their deadline, and broadcasts aborts. Supervision (restarts
 with backoff) is the Supervisor's; the coordinator cleans up after a dead process: fails the
-requests in flight, sweeps its shared memory and tells the other processes.
+requests in flight, sweeps its shared memory and tells the other processes. Its helpers: the
+messages from the stages are handled in `coordinator_intake.py`, a request and its streamed input leave
+through `submission.py`, and the requests in flight are kept in `request_table.py`.
 """
 
 from __future__ import annotations
@@ -18,48 +20,31 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import zmq
 import zmq.asyncio
 
 from voice_server.config import PipelineConfig, plan_budget
 from voice_server.engine import ipc
+from voice_server.engine.coordinator_intake import CoordinatorIntake
 from voice_server.engine.launcher import Launcher, ProcessHandle, ProcessState
 from voice_server.engine.limits import EngineLimits
-from voice_server.engine.messages import (
-    Abort,
-    Ack,
-    Codec,
-    Failure,
-    Message,
-    MessageError,
-    NewRequest,
-    Output,
-    PeerDown,
-    Probe,
-    Progress,
-    Ready,
-    StartupFailed,
-    StatsQuery,
-    StatsReply,
-    StreamChunk,
-    StreamDone,
-)
+from voice_server.engine.messages import Abort, Codec, Message, NewRequest, PeerDown, Probe, StatsQuery, StatsReply
 from voice_server.engine.outbox import Outbox
+from voice_server.engine.request_table import RequestTable
 from voice_server.engine.requests import (
     DeadlineExceeded,
     InputStream,
     OverloadError,
     RequestError,
     RequestStream,
-    RequestTable,
     SlowConsumerError,
-    TerminalOutput,
     UnavailableError,
 )
 from voice_server.engine.rundir import RunDir, sweep_dead_launches
+from voice_server.engine.submission import InputSender, encode_for
 from voice_server.engine.supervisor import StartupError, Supervisor
-from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion, sweep
+from voice_server.relay.shm import ShmReader, ShmSlab
+from voice_server.relay.shm_segments import sweep
 
 __all__ = [
     "Coordinator", "DeadlineExceeded", "InputStream", "OverloadError", "RequestError", "SlowConsumerError",
@@ -75,9 +60,6 @@ class Coordinator:
         self.budgets = plan_budget(cfg)  # NOTE: refuses an over-committed device before any spawn
         self.launch_id = launch_id or secrets.token_hex(4)
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
-        self.num_dropped_messages = 0
-        self._in_counters = {"num_messages_in": 0, "num_frames_in": 0}
-        self._stats: dict[int, dict[str, StatsReply]] = {}
         self._nonces = itertools.count()
         self._is_started = False
         self._is_stopping = False
@@ -96,7 +78,7 @@ class Coordinator:
         self._is_started = True
         try:
             self._open()
-            self._spawn_task(self._recv_loop())
+            self._spawn_task(self._intake.run())
             await self.supervisor.start_all()
         except BaseException:
             await self.stop()
@@ -136,6 +118,10 @@ class Coordinator:
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
         self.outbox = Outbox(self._peers, self.codec, self.slab, self.owner)
         self.supervisor = Supervisor(self.cfg, self.launcher, self._on_down, lambda: self._broadcast(Probe(0)))
+        self._intake = CoordinatorIntake(
+            self._inbox, self.codec, self.outbox, self._requests, self.supervisor, self.slab)
+        self._inputs = InputSender(
+            self.cfg, self._peers, self.codec, self.outbox, self._loop, lambda: self._is_stopping)
         self._cleanups.append((self.supervisor.stop, False))
         # NOTE: runs first on stop (cleanups run in reverse): no process may outlive the launch.
         self._cleanups.append((self.launcher.terminate_all, True))  # NOTE: joins processes
@@ -208,62 +194,25 @@ class Coordinator:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
         entry = self.cfg.entry_stage
-        process = self.cfg.stage(entry).process_name
-        try:
-            # NOTE: the socket first: once encoded, relay slots are taken and the send must not fail.
-            sock = self._peers.get(process)
-        except zmq.ZMQError as exc:
-            raise OverloadError(f"server busy: {exc}") from exc
-        try:
-            submitted = {"submit": time.monotonic()}
-            request = NewRequest(request_id, entry, payload, params, is_stream=stream_input, timings=submitted)
-            data = self.codec.encode(request, consumer=process)
-        except (RelayFullError, OSError, TypeError, ValueError, OverflowError) as exc:
-            # NOTE: pack frees its relay slots itself
-            if is_exhaustion(exc):
-                raise OverloadError(f"server busy: {exc}") from exc
-            raise RequestError(f"request payload cannot be sent: {exc}") from exc
+        submitted = {"submit": time.monotonic()}
+        request = NewRequest(request_id, entry, payload, params, is_stream=stream_input, timings=submitted)
+        sock, data = encode_for(self._peers, self.codec, self.cfg.stage(entry).process_name, request, "request payload")
         stream = self._requests.open(request_id, timeout_s if timeout_s is not None else self.limits.request_timeout_s)
         sock.send(data)
         if stream_input:
             is_live = self._requests.live_check(request_id)
-            stream.input = InputStream(request_id, entry, lambda msg: self._send_input(msg, is_live))
+            stream.input = InputStream(request_id, entry, lambda msg: self._inputs.send(msg, is_live))
         return stream
 
-    def _send_input(self, msg: StreamChunk | StreamDone, is_live: Callable[[], bool]) -> bool:
-        """One piece of a client's streamed input to the entry stage; False once the request has ended."""
-        if self._is_stopping or not is_live():
-            # NOTE: nothing is encoded, so no relay slot is taken for a request the stages dropped;
-            # chunks already sent are acked by the entry stage (held until the request leaves it,
-            # or at once when they arrive after its abort).
-            return False
-        process = self.cfg.stage(msg.stage).process_name
-        try:
-            self._peers.get(process)  # NOTE: connected now, so that the flush cannot fail on it
-        except zmq.ZMQError as exc:
-            raise OverloadError(f"server busy: {exc}") from exc
-        try:
-            data = self.codec.encode(msg, consumer=process)
-        except (RelayFullError, OSError, TypeError, ValueError, OverflowError) as exc:
-            # NOTE: pack frees its relay slots itself
-            if is_exhaustion(exc):
-                raise OverloadError(f"server busy: {exc}") from exc
-            raise RequestError(f"input chunk cannot be sent: {exc}") from exc
-        # NOTE: the pieces every session sends in one loop turn go to a stage as one multipart message (each
-        # user's 20 ms frames were one message each); the request's NewRequest went before, on this socket.
-        if self.outbox.is_empty:
-            self._loop.call_soon(self._flush_inputs)
-        self.outbox.queue(process, data)
-        return True
-
-    def _flush_inputs(self) -> None:
-        if not self._is_stopping:  # NOTE: the sockets are going; the stages drop the requests anyway
-            self.outbox.flush()
+    @property
+    def num_dropped_messages(self) -> int:
+        """Messages from the stages dropped as malformed or unexpected (each is logged, never fatal)."""
+        return self._intake.num_dropped_messages if hasattr(self, "_intake") else 0
 
     @property
     def io_counters(self) -> dict[str, int]:
         """ZMQ messages received from the stages and sent to them, and the control messages (frames) in them."""
-        return {**self._in_counters, **self.outbox.counters}
+        return {**self._intake.counters, **self.outbox.counters}
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:
@@ -283,85 +232,18 @@ class Coordinator:
     async def stats(self, timeout_s: float = 2.0) -> dict[str, StatsReply]:
         """Ask every ready stage process for its active requests and relay usage."""
         nonce = next(self._nonces)
-        replies = self._stats[nonce] = {}
+        replies = self._intake.stats_replies[nonce] = {}
         expected = {h.name for h in self.launcher.handles.values() if h.state is ProcessState.READY}
         self._broadcast(StatsQuery(nonce))
         deadline = time.monotonic() + timeout_s
         while set(replies) < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.005)
-        return self._stats.pop(nonce)
+        return self._intake.stats_replies.pop(nonce)
 
     # -- sockets ---------------------------------------------------------------------------------
 
     def _broadcast(self, msg: Message) -> None:
         self._pub.send(self.codec.encode(msg))
-
-
-    async def _recv_loop(self) -> None:
-        while True:
-            try:
-                frames = await self._inbox.recv_multipart()  # type: ignore[misc]  # zmq.asyncio: a future
-            except zmq.ZMQError as exc:  # NOTE: e.g. EMFILE; keep serving once it clears
-                log.error("coordinator inbox: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            self._in_counters["num_messages_in"] += 1
-            self._in_counters["num_frames_in"] += len(frames)
-            for data in frames:
-                await self._handle(data)
-
-    async def _handle(self, data: bytes) -> None:
-        """One control message from a stage process (a frame of a multipart message)."""
-        try:
-            msg, refs = self.codec.decode(data)
-        except MessageError as exc:
-            self._drop(f"dropped a message: {exc}")
-            self.outbox.ack(exc.refs)
-            if exc.request_id is not None:
-                error_cls = OverloadError if exc.is_overload else RequestError
-                self._requests.fail(exc.request_id, error_cls(f"output of stage '{exc.stage}' lost: {exc}"))
-            return
-        try:
-            self._dispatch(msg, refs)
-        except Exception:
-            self._drop(f"coordinator failed to handle {type(msg).__name__}", exc_info=True)
-        if isinstance(msg, Output) and self._requests.is_backlogged(msg.request_id):
-            # NOTE: a ready message is received without yielding, so a stage streaming faster than this
-            # loop would keep the client from reading until its queue hit `max_queued_outputs`. Only
-            # then: yielding on every message would hand the loop to every other task (a retry storm).
-            await asyncio.sleep(0)
-
-    def _drop(self, message: str, exc_info: bool = False) -> None:
-        self.num_dropped_messages += 1
-        log.warning(message, exc_info=exc_info)
-
-    def _dispatch(self, msg: Message, refs: list[ShmRef]) -> None:
-        if isinstance(msg, Output):
-            # NOTE: the client may hold outputs indefinitely, so relay-backed arrays are copied and
-            # their slots returned at once.
-            payload = _detach(msg.payload) if refs else msg.payload
-            self.outbox.ack(refs)
-            output = TerminalOutput(msg.request_id, msg.stage, payload, msg.is_final, dict(msg.timings))
-            if not self._requests.deliver(output):
-                self._drop(f"dropped an Output of {msg.stage!r}, which is not a pending terminal stage")
-            return
-        self.outbox.ack(refs)
-        if isinstance(msg, Failure):
-            error_cls = OverloadError if msg.is_overload else RequestError
-            self._requests.fail(msg.request_id, error_cls(f"stage '{msg.stage}': {msg.message}"))
-        elif isinstance(msg, Ack):
-            if msg.owner == self.owner:
-                self.slab.ack(msg.slot_ids)
-        elif isinstance(msg, Ready):
-            if not self.supervisor.on_ready(msg.process, msg.generation, msg.facts):
-                self._drop(f"dropped a stale or foreign Ready from {msg.process!r}")
-        elif isinstance(msg, Progress):
-            self.supervisor.on_progress(msg.process, msg.generation, msg.stage, msg.phase)
-        elif isinstance(msg, StartupFailed):
-            if not self.supervisor.on_startup_failed(msg.process, msg.generation, msg.message):
-                self._drop(f"dropped a stale or foreign StartupFailed from {msg.process!r}")
-        elif isinstance(msg, StatsReply) and msg.nonce in self._stats:
-            self._stats[msg.nonce][msg.process] = msg
 
     # -- after a stage process died ----------------------------------------------------------------
 
@@ -381,14 +263,3 @@ class Coordinator:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-def _detach(obj: Any) -> Any:
-    """Copy every array out of relay memory."""
-    if isinstance(obj, np.ndarray):
-        return obj.copy()
-    if isinstance(obj, dict):
-        return {k: _detach(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_detach(v) for v in obj]
-    return obj

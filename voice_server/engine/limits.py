@@ -14,7 +14,7 @@ import resource
 from dataclasses import dataclass
 
 from voice_server.config import PipelineConfig
-from voice_server.relay.shm import SHM_DIR
+from voice_server.relay.shm_segments import SHM_DIR
 
 _GIB = 1 << 30
 

@@ -19,7 +19,7 @@ import os
 import shutil
 import stat
 
-from voice_server.relay.shm import sweep
+from voice_server.relay.shm_segments import sweep
 
 log = logging.getLogger("voice_server.rundir")
 LOCK_NAME = "lock"

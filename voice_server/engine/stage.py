@@ -3,58 +3,37 @@
 It drains the broadcast socket (aborts first) and the inbox, feeds the schedulers, runs
 `schedule -> execute -> update`, and routes what comes out: stream chunks to `stream_to` stages,
 results to `next`, terminal outputs and errors to the coordinator. It never branches on the
-scheduler type.
+scheduler type. What each received message does is `stage_intake.py`'s; where an emit goes, `routing.py`'s.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 import os
 import signal
 import time
 import traceback
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from voice_server.engine import ipc
-from voice_server.engine.messages import (
-    Abort,
-    Ack,
-    Codec,
-    Failure,
-    Message,
-    MessageError,
-    NewRequest,
-    PeerDown,
-    Probe,
-    Progress,
-    Ready,
-    StartupFailed,
-    StatsQuery,
-    StatsReply,
-    StreamChunk,
-    StreamDone,
-)
+from voice_server.engine.messages import Codec, Message, Probe, Progress, Ready, StartupFailed
 from voice_server.engine.outbox import Outbox
 from voice_server.engine.routing import route
 from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
+from voice_server.engine.stage_intake import StageIntake
 from voice_server.logs import flush_rate_limits, rate_key
-from voice_server.relay.shm import RelayFullError, ShmReader, ShmRef, ShmSlab, is_exhaustion
-from voice_server.scheduling import CapacityError, Emit, WorkItem, WorkKind
+from voice_server.relay.shm import RelayFullError, ShmReader, ShmSlab, is_exhaustion
+from voice_server.scheduling import Emit
 
 if TYPE_CHECKING:
     from voice_server.engine.process import ProcessSpec
 
 log = logging.getLogger("voice_server.stage")
 _IDLE_POLL_MS = 100
-_MAX_DRAIN = 256
-_NUM_ABORTED_KEPT = 4096
-_NUM_ABORTS_REPORTED = 256
 
 
 class StageShell:
@@ -64,7 +43,6 @@ class StageShell:
         self.owner = ipc.relay_owner(spec.process, spec.generation)
         self.is_running = True
         self._parent_pid = os.getppid()
-        self.num_dropped_messages = 0
         self.ctx = zmq.Context()
         self._auth = spec.endpoints.start_auth(self.ctx)
         self.inbox = ipc.configure(self.ctx.socket(zmq.PULL))
@@ -83,11 +61,8 @@ class StageShell:
         self.reader = ShmReader()
         self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes, as_torch=False)
         self.stages: dict[str, StageRuntime] = {}
-        self._aborted: OrderedDict[str, float] = OrderedDict()
-        """Recently aborted request ids -> when this process dropped them (late messages are ignored)."""
         self.outbox = Outbox(self._peers, self.codec, self.slab, self.owner)
-        self.io_counters = {"num_messages_in": 0, "num_frames_in": 0}
-        """ZMQ messages received by this process, and the control messages (frames) in them."""
+        self.intake = StageIntake(spec, self.stages, self.codec, self.outbox, self.slab, self.reader, self._peers)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -131,7 +106,7 @@ class StageShell:
         # NOTE: PUB/SUB slow joiner: aborts published before our subscription reaches the publisher
         # would be lost, so we only report ready once a broadcast probe has arrived.
         while self.is_running:
-            if self.sub.poll(_IDLE_POLL_MS) and isinstance(self._recv(self.sub), Probe):
+            if self.sub.poll(_IDLE_POLL_MS) and isinstance(self.intake.recv(self.sub), Probe):
                 return True
             if os.getppid() != self._parent_pid:
                 return False
@@ -156,8 +131,8 @@ class StageShell:
         timeout_ms = math.ceil(min(waits) * 1000) if waits else _IDLE_POLL_MS
         if not self.poller.poll(timeout_ms):
             flush_rate_limits()  # NOTE: idle: write the summaries of suppressed repeats
-        self._drain(self.sub)  # aborts before work
-        self._drain(self.inbox)
+        self.intake.drain(self.sub)  # aborts before work
+        self.intake.drain(self.inbox)
         if os.getppid() != self._parent_pid:
             self.is_running = False
             return
@@ -171,12 +146,12 @@ class StageShell:
             result = runtime.runner.execute(batch)
         except Exception as exc:
             log.error("stage %s: batch failed:\n%s", runtime.cfg.name, traceback.format_exc())
-            self._drain(self.sub)
+            self.intake.drain(self.sub)
             emits = runtime.scheduler.fail(batch, f"{type(exc).__name__}: {exc}")
         else:
             # NOTE: aborts that arrived while the batch ran leave the scheduler before `update`, so
             # an aborted request's step output is dropped instead of routed (and its pages freed).
-            self._drain(self.sub)
+            self.intake.drain(self.sub)
             emits = runtime.scheduler.update(batch, result)
         failed: set[str] = set()
         for emit in emits:
@@ -187,14 +162,17 @@ class StageShell:
                 # NOTE: keyed without the request id, so a burst of them folds into one count per window.
                 log.error("stage %s: cannot send output of %s: %s", runtime.cfg.name, emit.request_id, error,
                           extra=rate_key(f"stage {runtime.cfg.name}: cannot send output: {type(error).__name__}"))
-                self._fail_request(runtime, emit.request_id, f"output cannot be sent: {error}", is_exhaustion(error))
+                self.intake.fail_request(runtime, emit.request_id, f"output cannot be sent: {error}",
+                                         is_exhaustion(error))
                 failed.add(emit.request_id)
+
+    # -- output routing --------------------------------------------------------------------------
 
     def _route_or_wait(self, runtime: StageRuntime, emit: Emit) -> Exception | None:
         """Send what `emit` becomes, waiting up to `max_relay_wait_s` for room in a full relay; the error
         that fails its request instead (an output msgpack cannot carry, no room in time, no descriptors)."""
         deadline: float | None = None
-        while emit.request_id not in self._aborted:  # NOTE: an abort may come in while it waits
+        while emit.request_id not in self.intake.aborted:  # NOTE: an abort may come in while it waits
             planned = route(self.cfg, runtime, emit)
             try:
                 self._send_all(planned.messages)
@@ -208,8 +186,8 @@ class StageShell:
                 # later) but runs nothing.
                 self.outbox.flush()
                 if self.poller.poll(max(1, min(50, math.ceil((deadline - now) * 1000)))):
-                    self._drain(self.sub)
-                    self._drain(self.inbox)
+                    self.intake.drain(self.sub)
+                    self.intake.drain(self.inbox)
                 continue
             except (TypeError, ValueError, OverflowError, OSError) as exc:
                 return exc
@@ -229,143 +207,3 @@ class StageShell:
             raise
         for process, data in frames:
             self.outbox.post(process, data)
-
-    def _drain(self, sock: zmq.Socket) -> None:
-        for _ in range(_MAX_DRAIN):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self.io_counters["num_messages_in"] += 1
-            self.io_counters["num_frames_in"] += len(frames)
-            for data in frames:
-                self._dispatch_safely(data)
-
-    def _dispatch_safely(self, data: bytes) -> None:
-        try:
-            self._dispatch(data)
-        except Exception:  # NOTE: one bad message never takes the stage down
-            self.num_dropped_messages += 1
-            log.exception("dropped a message that could not be handled")
-
-    def _decode(self, data: bytes) -> tuple[Message, list[ShmRef]] | None:
-        try:
-            return self.codec.decode(data)
-        except MessageError as exc:
-            self.num_dropped_messages += 1
-            log.warning("dropped a message: %s", exc)
-            self.outbox.ack(exc.refs)
-            runtime = self.stages.get(exc.stage or "")
-            if runtime is not None and exc.request_id is not None \
-                    and exc.request_id in runtime.scheduler.active_request_ids:
-                # NOTE: a work item that cannot be read would leave a hole in the request's stream.
-                self._fail_request(runtime, exc.request_id, str(exc), exc.is_overload)
-            return None
-
-    def _recv(self, sock: zmq.Socket) -> Message | None:
-        decoded = self._decode(sock.recv())
-        if decoded is None:
-            return None
-        self.outbox.ack(decoded[1])
-        return decoded[0]
-
-    def _dispatch(self, data: bytes) -> None:
-        decoded = self._decode(data)
-        if decoded is None:
-            return
-        msg, refs = decoded
-        if isinstance(msg, (NewRequest, StreamChunk, StreamDone)):
-            self._on_work(msg, refs)
-            return
-        self.outbox.ack(refs)
-        if isinstance(msg, Ack):
-            if msg.owner == self.owner:
-                self.slab.ack(msg.slot_ids)
-        elif isinstance(msg, Abort):
-            for request_id in msg.request_ids:
-                self._abort(request_id)
-        elif isinstance(msg, PeerDown):
-            self.reader.forget_owner(msg.owner)
-            self.slab.release_consumer(msg.process)
-            self._peers.reset(msg.process)
-        elif isinstance(msg, StatsQuery):
-            active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
-            io = {**self.io_counters, **self.outbox.counters}
-            counters = {name: {**s.scheduler.stats(), **s.runner.stats(), **io} for name, s in self.stages.items()}
-            recent = dict(itertools.islice(reversed(self._aborted.items()), _NUM_ABORTS_REPORTED))
-            self.outbox.send(ipc.COORDINATOR, StatsReply(
-                self.spec.process, self.spec.generation, msg.nonce, active,
-                self.slab.num_live_slots, self.slab.num_used_bytes, self.num_dropped_messages, recent, counters,
-            ))
-
-    def _on_work(self, msg: NewRequest | StreamChunk | StreamDone, refs: list[ShmRef]) -> None:
-        runtime = self.stages.get(msg.stage)
-        if runtime is None:
-            self.num_dropped_messages += 1
-            log.warning("dropped work for stage %r, which this process does not run", msg.stage)
-            self.outbox.ack(refs)
-            return
-        if msg.request_id in self._aborted:
-            self.outbox.ack(refs)
-            return
-        rid, now = msg.request_id, time.monotonic()
-        if isinstance(msg, NewRequest):
-            if rid in runtime.scheduler.active_request_ids:
-                self.num_dropped_messages += 1
-                log.warning("dropped a second NewRequest for %s", rid)
-                self.outbox.ack(refs)
-                return
-            runtime.params[rid] = msg.params
-            runtime.num_chunks_received[rid] = 0
-            runtime.timings[rid] = dict(msg.timings)
-            item = WorkItem(rid, WorkKind.NEW, msg.payload, msg.params, is_stream=msg.is_stream)
-        elif rid not in runtime.scheduler.active_request_ids:
-            self.outbox.ack(refs)  # late chunk of a request that already left this stage
-            return
-        else:
-            # NOTE: the shell checks each upstream stream is whole, so a request either completes
-            # with every chunk or fails; it never "completes" with a hole.
-            num_received = runtime.num_chunks_received.get(rid, 0)
-            expected = msg.seq if isinstance(msg, StreamChunk) else msg.num_chunks
-            if expected != num_received:
-                self.outbox.ack(refs)
-                self._fail_request(runtime, rid, f"upstream stream incomplete: expected chunk {num_received}, "
-                                   f"got {'chunk' if isinstance(msg, StreamChunk) else 'end after'} {expected}",
-                                   is_overload=False)
-                return
-            if isinstance(msg, StreamChunk):
-                runtime.num_chunks_received[rid] = num_received + 1
-                if msg.timings:
-                    # NOTE: upstream stamps (e.g. the thinker's first token) reach a stream consumer
-                    # with the chunks, which may come after its NewRequest.
-                    runtime.timings.setdefault(rid, {}).update(msg.timings)
-                item = WorkItem(rid, WorkKind.CHUNK, msg.payload, runtime.params.get(rid, {}), msg.seq)
-            else:
-                item = WorkItem(rid, WorkKind.DONE, {}, runtime.params.get(rid, {}), msg.num_chunks)
-        runtime.held_refs.setdefault(rid, []).extend(refs)
-        try:
-            runtime.scheduler.add(runtime.runner.admit(item), now)
-        except ValueError as exc:
-            # NOTE: malformed input or params refuse this request alone, at admission; so does a stage
-            # out of room for it (CapacityError), as a retryable overload.
-            log.warning("stage %s: refused %s: %s", runtime.cfg.name, rid, exc,
-                        extra=rate_key(f"stage {runtime.cfg.name}: refused: {type(exc).__name__}"))
-            self._fail_request(runtime, rid, f"refused: {exc}", is_overload=isinstance(exc, CapacityError))
-
-    def _abort(self, request_id: str) -> None:
-        self._aborted[request_id] = time.monotonic()
-        if len(self._aborted) > _NUM_ABORTED_KEPT:
-            self._aborted.popitem(last=False)
-        for runtime in self.stages.values():
-            runtime.scheduler.abort(request_id)
-            self.outbox.ack(runtime.forget(request_id))
-
-    def _fail_request(self, runtime: StageRuntime, request_id: str, message: str, is_overload: bool) -> None:
-        """The request fails here: tell the coordinator (which aborts it elsewhere), drop it locally."""
-        runtime.scheduler.abort(request_id)
-        self._aborted[request_id] = time.monotonic()
-        self.outbox.send(ipc.COORDINATOR, Failure(request_id, runtime.cfg.name, message, is_overload))
-        self.outbox.ack(runtime.forget(request_id))
-
-    # -- output routing --------------------------------------------------------------------------
-

@@ -5,7 +5,8 @@ from __future__ import annotations
 from voice_server.relay.base import ConsumerTransport, ProducerTransport
 from voice_server.relay.codec import RelayRef, pack, unpack
 from voice_server.relay.dist import DistReceiver, DistRef, DistSender
-from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, sweep
+from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
+from voice_server.relay.shm_segments import sweep
 
 __all__ = [
     "ConsumerTransport", "DistReceiver", "DistRef", "DistSender", "ProducerTransport", "RelayRef",

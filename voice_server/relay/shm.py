@@ -1,19 +1,12 @@
 """Shared-memory relay on one host: a slab per producer, zero-copy views for consumers.
 
-Segments are plain files under /dev/shm named `vs-{launch_id}-{owner}-{n}`: n == 0 is the producer's
-slab, n >= 1 are one-tensor overflow segments used when the slab is full. The owner unlinks them on ack
-and on close. What a dead owner leaves, `sweep` removes, called by the coordinator
-(`voice_server/engine/coordinator.py`), not the launcher: for a stage process that died (its owner
-name carries the process generation), for the whole launch when the coordinator stops, and at start-up,
-through `voice_server/engine/rundir.py: sweep_dead_launches`, for launches whose server was SIGKILLed.
-
-NOTE: multiprocessing.shared_memory is not used: before Python 3.13 attaching registers the segment
-with a resource tracker that unlinks it under its owner (CPython gh-82300).
+`ShmSlab` is the producer side (a first-fit free list over one prefaulted segment, overflow segments
+when it is full), `ShmReader` the consumer side and `ShmRef` what crosses between them. The segment
+files themselves (names, mapping, sweeping what a dead owner left) are `voice_server/relay/shm_segments.py`.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import errno
 import itertools
@@ -29,98 +22,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from voice_server.relay.base import ConsumerTransport, ProducerTransport
+from voice_server.relay.free_list import FreeList
+from voice_server.relay.shm_segments import (
+    SHM_DIR,
+    check_segment_ids,
+    close_mapping,
+    map_segment,
+    segment_name,
+    unlink_owned,
+)
 from voice_server.relay.tensors import from_buffer, numpy_dtype, to_numpy
 
 if TYPE_CHECKING:
     import torch
 
-SHM_DIR = "/dev/shm"
-SEGMENT_PREFIX = "vs"
 ALIGN = 64
 _PAGE = mmap.PAGESIZE
-
-
-def segment_name(launch_id: str, owner: str, n: int) -> str:
-    return f"{SEGMENT_PREFIX}-{launch_id}-{owner}-{n}"
-
-
-def _check_ids(launch_id: str, owner: str | None) -> None:
-    # NOTE: a dash-free launch id and a numeric suffix make `vs-{launch}-{owner}-{n}` parse unambiguously
-    # even when the owner name itself contains dashes.
-    if not launch_id or "-" in launch_id or "/" in launch_id:
-        raise ValueError(f"launch_id must be non-empty without '-' or '/', got {launch_id!r}")
-    if owner is not None and (not owner or "/" in owner):
-        raise ValueError(f"owner must be non-empty without '/', got {owner!r}")
-
-
-def _parse_owner(name: str, launch_id: str) -> str | None:
-    prefix = f"{SEGMENT_PREFIX}-{launch_id}-"
-    if not name.startswith(prefix):
-        return None
-    owner, _, n = name[len(prefix):].rpartition("-")
-    return owner if owner and n.isdigit() else None
-
-
-def list_segments(launch_id: str, owner: str | None = None, shm_dir: str = SHM_DIR) -> list[str]:
-    _check_ids(launch_id, owner)
-    names = []
-    for name in os.listdir(shm_dir):
-        seg_owner = _parse_owner(name, launch_id)
-        if seg_owner is not None and (owner is None or seg_owner == owner):
-            names.append(name)
-    return sorted(names)
-
-
-def sweep(launch_id: str, owner: str | None = None, shm_dir: str = SHM_DIR) -> list[str]:
-    """Unlink leftover segments of a launch (or of one dead owner in it); returns their names."""
-    removed = []
-    for name in list_segments(launch_id, owner, shm_dir):
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except FileNotFoundError:
-            pass  # NOTE: its owner unlinked it meanwhile.
-    return removed
-
-
-def _map_file(path: str, size: int | None = None) -> tuple[mmap.mmap, int]:
-    """Create (size given) or open a segment and map it whole; returns (mapping, inode).
-
-    MAP_POPULATE fills the page tables up front so first touches do not fault page by page.
-    """
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if size is not None else 0)
-    fd = os.open(path, flags, 0o600)
-    try:
-        if size is not None:
-            os.ftruncate(fd, size)
-            # NOTE: reserve the tmpfs pages now: a full /dev/shm then fails here with ENOSPC instead
-            # of a SIGBUS at the first write through the mapping.
-            os.posix_fallocate(fd, 0, size)
-        stat = os.fstat(fd)
-        populate = getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED | populate, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        return mm, stat.st_ino
-    except BaseException:
-        if flags & os.O_CREAT:
-            os.unlink(path)
-        raise
-    finally:
-        os.close(fd)
-
-
-def _close_map(mm: mmap.mmap) -> None:
-    # NOTE: BufferError: arrays still view it; it is unmapped when the last one is garbage collected.
-    with contextlib.suppress(BufferError):
-        mm.close()
-
-
-def _unlink_paths(paths: set[str], pid: int) -> None:
-    if os.getpid() != pid:
-        return  # NOTE: a forked child inherits the finalizer but does not own the segments.
-    for path in list(paths):
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    paths.clear()
 
 
 class RelayFullError(RuntimeError):
@@ -177,7 +94,7 @@ class ShmSlab(ProducerTransport):
         self, launch_id: str, owner: str, capacity_bytes: int, shm_dir: str = SHM_DIR,
         max_bytes: int | None = None, max_overflow_segments: int | None = None,
     ) -> None:
-        _check_ids(launch_id, owner)
+        check_segment_ids(launch_id, owner)
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self.max_bytes = max_bytes
@@ -189,11 +106,11 @@ class ShmSlab(ProducerTransport):
         self.capacity_bytes = -(-capacity_bytes // ALIGN) * ALIGN
         self._lock = threading.Lock()
         self._live_paths: set[str] = set()
-        self._finalizer = weakref.finalize(self, _unlink_paths, self._live_paths, os.getpid())
+        self._finalizer = weakref.finalize(self, unlink_owned, self._live_paths, os.getpid())
         self._segment_ids = itertools.count()
         self._slot_ids = itertools.count()
         self._slots: dict[int, _Slot] = {}
-        self._free: list[tuple[int, int]] = [(0, self.capacity_bytes)]  # (offset, size) sorted by offset
+        self._free = FreeList(self.capacity_bytes)
         self._num_used_bytes = 0
         self.num_overflow_puts = 0
         self.segment, self._mm = self._create_segment(self.capacity_bytes)
@@ -214,37 +131,17 @@ class ShmSlab(ProducerTransport):
         path = os.path.join(self.shm_dir, name)
         self._live_paths.add(path)
         try:
-            return name, _map_file(path, size)[0]
+            return name, map_segment(path, size)[0]
         except BaseException:
             self._live_paths.discard(path)
             raise
 
     def _drop_segment(self, name: str, mm: mmap.mmap) -> None:
-        _close_map(mm)
+        close_mapping(mm)
         path = os.path.join(self.shm_dir, name)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         self._live_paths.discard(path)
-
-    def _alloc(self, size: int) -> int | None:
-        for i, (offset, free_size) in enumerate(self._free):
-            if free_size >= size:
-                if free_size == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (offset + size, free_size - size)
-                return offset
-        return None
-
-    def _free_region(self, offset: int, size: int) -> None:
-        i = bisect.bisect_left(self._free, (offset, 0))
-        if i < len(self._free) and offset + size == self._free[i][0]:  # merge with the next region
-            size += self._free.pop(i)[1]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:  # merge with the previous
-            offset, prev_size = self._free[i - 1]
-            self._free[i - 1] = (offset, prev_size + size)
-        else:
-            self._free.insert(i, (offset, size))
 
     def put(self, x: np.ndarray | torch.Tensor, consumer: str) -> ShmRef:
         if self._mm.closed:
@@ -257,7 +154,7 @@ class ShmSlab(ProducerTransport):
                 raise RelayFullError(
                     f"relay of {self.owner} is full: {self._num_used_bytes} + {size} bytes > {self.max_bytes}"
                 )
-            offset = self._alloc(size)
+            offset = self._free.alloc(size)
             if offset is None:
                 if self.max_overflow_segments is not None and \
                         self.num_overflow_segments >= self.max_overflow_segments:
@@ -297,7 +194,7 @@ class ShmSlab(ProducerTransport):
             self.num_overflow_segments -= 1
             self._drop_segment(*slot.overflow)
         else:
-            self._free_region(slot.offset, slot.size)
+            self._free.free(slot.offset, slot.size)
 
     def ack(self, slot_ids: Iterable[int]) -> None:
         with self._lock:
@@ -320,7 +217,7 @@ class ShmSlab(ProducerTransport):
                 if slot.overflow is not None:
                     self._drop_segment(*slot.overflow)
             self._slots.clear()
-            self._free = [(0, self.capacity_bytes)]
+            self._free.reset()
             self._num_used_bytes = 0
             self.num_overflow_segments = 0
             if not self._mm.closed:
@@ -348,14 +245,14 @@ class ShmReader(ConsumerTransport):
     def _mapping(self, ref: ShmRef) -> mmap.mmap:
         path = os.path.join(self.shm_dir, ref.segment)
         if ref.is_overflow:
-            return _map_file(path)[0]
+            return map_segment(path)[0]
         entry = self._maps.get(ref.segment)
         # NOTE: a restarted producer recreates its slab under the same name; one stat tells them apart.
         if entry is not None and os.stat(path).st_ino != entry[2]:
-            _close_map(self._maps.pop(ref.segment)[1])
+            close_mapping(self._maps.pop(ref.segment)[1])
             entry = None
         if entry is None:
-            mm, inode = _map_file(path)
+            mm, inode = map_segment(path)
             entry = self._maps[ref.segment] = (ref.owner, mm, inode)
         return entry[1]
 
@@ -376,9 +273,9 @@ class ShmReader(ConsumerTransport):
 
     def forget_owner(self, owner: str) -> None:
         for segment in [s for s, (o, _, _) in self._maps.items() if o == owner]:
-            _close_map(self._maps.pop(segment)[1])
+            close_mapping(self._maps.pop(segment)[1])
 
     def close(self) -> None:
         for _, mm, _ in self._maps.values():
-            _close_map(mm)
+            close_mapping(mm)
         self._maps.clear()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig
+from voice_server.runners.ar_config import DecoderRunnerConfig
+from voice_server.runners.ar_runner import DecoderRunner
 
 __all__ = ["DecoderRunner", "DecoderRunnerConfig"]

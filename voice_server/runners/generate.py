@@ -12,7 +12,8 @@ import torch
 from voice_server.engine.local import LocalOutcome, LocalRequest, LocalStage
 from voice_server.models.llama import LlamaForCausalLM
 from voice_server.models.paged import PagedKVCache, build_attention_context
-from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig, kv_cache_dtype_for
+from voice_server.runners.ar_config import DecoderRunnerConfig, kv_cache_dtype_for
+from voice_server.runners.ar_runner import DecoderRunner
 from voice_server.runners.sizing import activation_reserve_bytes, weight_bytes
 from voice_server.scheduling import ARScheduler
 

@@ -29,7 +29,8 @@ from voice_server.models.llama import GGUFTokenizer
 from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
-from voice_server.runners.ar_runner import DecoderRunner, DecoderRunnerConfig, DecoderShape
+from voice_server.runners.ar_config import DecoderRunnerConfig, DecoderShape
+from voice_server.runners.ar_runner import DecoderRunner
 from voice_server.runners.feed_chunk import TALKER_FEED_KEY, FeedChunk, PromptFeed
 from voice_server.runners.payload import float_rows
 from voice_server.scheduling import AdmissionError, WorkItem, WorkKind

@@ -70,7 +70,7 @@ def check_schedulers(cfg: PipelineConfig) -> None:
 
     NOTE: here, next to the registry, and not among the config's environment checks
     (`voice_server/config/checks.py`): the schedulers depend on the config package, never the reverse.
-    `check-config` (`voice_server/cli.py`, also run before `serve` and `ask` start) calls it beside
+    `check-config` (`voice_server/cli_commands.py`, also run before `serve` and `ask` start) calls it beside
     `check_environment`; a stage process refuses the same names when it builds its scheduler
     (`voice_server/engine/runtime.py: create_scheduler`)."""
     for stage in cfg.stages:

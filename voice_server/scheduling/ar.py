@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from voice_server.scheduling.ar_input import apply_chunk, new_request
+from voice_server.scheduling.ar_input import apply_chunk, apply_done, new_request
 from voice_server.scheduling.ar_request import Request
 from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
@@ -51,7 +51,7 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         if item.kind is WorkKind.NEW:
             if rid in self._requests:
                 raise ValueError(f"request {rid} is already in this stage")
-            fresh = new_request(item, self.spec, self._extend)
+            fresh = new_request(item, self.spec)
             self._requests[rid] = fresh
             self._waiting.append(fresh)
             return
@@ -59,23 +59,9 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         if request is None:
             return  # late input of a request that already left (finished, aborted or failed)
         if item.kind is WorkKind.CHUNK:
-            apply_chunk(request, item.payload, self._extend)
-        elif request.is_input_done:
-            raise ValueError(f"request {rid}: done after its input ended")
-        elif request.num_tokens == 0:
-            raise ValueError(f"request {rid}: input ended with no prompt tokens")
+            apply_chunk(request, item.payload, self.spec)
         else:
-            request.is_input_done = True
-
-    def _extend(self, request: Request, token_ids: list[int]) -> None:
-        num_tokens = request.num_tokens + len(token_ids)
-        if num_tokens > self.spec.max_model_len - 1:
-            raise ValueError(f"prompt of {num_tokens} tokens leaves no room to generate "
-                             f"(max_model_len {self.spec.max_model_len})")
-        if num_tokens > self.spec.num_pages * self.page_size:
-            raise ValueError(f"prompt of {num_tokens} tokens can never fit in the KV cache "
-                             f"({self.spec.num_pages} pages of {self.page_size} tokens)")
-        request.extend_prompt(token_ids)
+            apply_done(request)
 
     def abort(self, request_id: str) -> bool:
         request = self._requests.get(request_id)

@@ -1,17 +1,18 @@
-"""What an AR request's input items say, read into its `Request`: the NEW item and each CHUNK.
+"""What an AR request's input items say, read into its `Request`: the NEW item, each CHUNK and DONE.
 
 - NEW: `payload.token_ids` (the prompt; empty for a stream whose prompt comes in chunks),
   `num_cacheable_tokens` (leading tokens the prefix cache may serve and fill; null: all) and
   `max_num_outputs` (the output limit of a feedback stage; null: none), `params.sampling`.
 - CHUNK: prompt `token_ids` (before any output), `is_input_done` (the prompt is whole; DONE says the
   same), and a raised `max_num_outputs` (never lowered; null lifts it).
+- DONE: the prompt is whole (once, and not empty).
 
-Malformed input raises ValueError naming the field; the shell then refuses the request alone.
+Malformed input, or a prompt that could never run in the stage's KV cache (`extend_prompt`), raises
+ValueError naming the field or the limit; the shell then refuses the request alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from voice_server.scheduling.ar_request import Request
@@ -20,11 +21,10 @@ from voice_server.scheduling.base import WorkItem
 from voice_server.scheduling.contract import ARSpec, SamplingParams
 
 _MAX_TOKEN_ID = 2**63
-Extend = Callable[[Request, list[int]], None]
 
 
-def new_request(item: WorkItem, spec: ARSpec, extend: Extend) -> Request:
-    """The `Request` of a NEW item (its prompt added through `extend`, which checks the limits)."""
+def new_request(item: WorkItem, spec: ARSpec) -> Request:
+    """The `Request` of a NEW item (its prompt added through `extend_prompt`, which checks the limits)."""
     sampling = SamplingParams.from_params(item.params)
     token_ids = read_token_ids(item.payload, is_required=not item.is_stream)
     if not item.is_stream and not token_ids:
@@ -33,18 +33,18 @@ def new_request(item: WorkItem, spec: ARSpec, extend: Extend) -> Request:
     request = Request(item.request_id, sampling, stop, [], is_input_done=not item.is_stream)
     request.num_cacheable_tokens = read_count(item.payload, "num_cacheable_tokens")
     request.max_num_outputs = read_count(item.payload, "max_num_outputs")
-    extend(request, token_ids)
+    extend_prompt(request, token_ids, spec)
     return request
 
 
-def apply_chunk(request: Request, payload: dict[str, Any], extend: Extend) -> None:
+def apply_chunk(request: Request, payload: dict[str, Any], spec: ARSpec) -> None:
     """Prompt tokens (`token_ids`, before any output), the end of the prompt (`is_input_done`),
     and a raised output limit (`max_num_outputs`: an int that never decreases, or None = off)."""
     token_ids = read_token_ids(payload, is_required=False)
     if token_ids or payload.get("is_input_done"):
         if request.is_input_done:
             raise ValueError(f"request {request.request_id}: prompt input after its input ended")
-        extend(request, token_ids)
+        extend_prompt(request, token_ids, spec)
     if payload.get("is_input_done"):
         if request.num_tokens == 0:
             raise ValueError(f"request {request.request_id}: input ended with no prompt tokens")
@@ -57,6 +57,28 @@ def apply_chunk(request: Request, payload: dict[str, Any], extend: Extend) -> No
             request.max_num_outputs = limit
     if not {"token_ids", "is_input_done", "max_num_outputs"} & payload.keys():
         raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
+
+
+def apply_done(request: Request) -> None:
+    """A DONE item: the prompt is whole."""
+    if request.is_input_done:
+        raise ValueError(f"request {request.request_id}: done after its input ended")
+    if request.num_tokens == 0:
+        raise ValueError(f"request {request.request_id}: input ended with no prompt tokens")
+    request.is_input_done = True
+
+
+def extend_prompt(request: Request, token_ids: list[int], spec: ARSpec) -> None:
+    """Add prompt tokens, refusing a prompt that could never run: one that leaves no position to
+    generate into, or that outgrows the whole KV cache (no preemption could ever make room for it)."""
+    num_tokens = request.num_tokens + len(token_ids)
+    if num_tokens > spec.max_model_len - 1:
+        raise ValueError(f"prompt of {num_tokens} tokens leaves no room to generate "
+                         f"(max_model_len {spec.max_model_len})")
+    if num_tokens > spec.num_pages * spec.page_size:
+        raise ValueError(f"prompt of {num_tokens} tokens can never fit in the KV cache "
+                         f"({spec.num_pages} pages of {spec.page_size} tokens)")
+    request.extend_prompt(token_ids)
 
 
 def read_count(payload: dict[str, Any], key: str) -> int | None:

@@ -39,7 +39,8 @@ from voice_server.session.connection import MetricsSource, SessionAdmission
 from voice_server.session.native import native_ws
 from voice_server.session.realtime.endpoint import realtime_ws
 from voice_server.session.semantic_vad import shared_models
-from voice_server.session.twilio.endpoint import TwilioSettings, twilio_ws
+from voice_server.session.twilio.endpoint import twilio_ws
+from voice_server.session.twilio.settings import TwilioSettings
 
 log = logging.getLogger(__name__)
 

@@ -42,7 +42,7 @@ from voice_server.models.llama.gguf_quant import load_gguf_quantized
 from voice_server.models.llama.loader import load_gguf, resolve_dtype
 from voice_server.models.quant import default_dtype, default_quantization
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
-from voice_server.runners.ar_runner import KV_CACHE_DTYPES
+from voice_server.runners.ar_config import KV_CACHE_DTYPES
 from voice_server.scheduling.contract import SamplingParams
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from voice_server.config.errors import ConfigError, fail
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
-from voice_server.runners.ar_runner import DecoderRunnerConfig
+from voice_server.runners.ar_config import DecoderRunnerConfig
 from voice_server.runners.thinker_runner import ThinkerRunner
 from voice_server.scheduling.contract import SamplingParams
 from voice_server.stages.llm import load_hf_tokenizer

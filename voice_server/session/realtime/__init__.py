@@ -7,8 +7,9 @@
 - ``session_fields``: audio formats, ``server_vad`` and the other field parsers both share;
 - ``server_events``: builders of the server events (GA names only);
 - ``errors``: ``ProtocolError`` and the table of error codes;
-- ``endpoint``: ``WS /v1/realtime`` over a ``Session`` (``adapt``: config and audio formats; ``bridge``:
-  session events -> server events). Import it from there: it pulls in the session core and starlette.
+- ``endpoint``: ``WS /v1/realtime`` over a ``Session`` (``adapt``: config and audio formats; ``handlers``:
+  client events -> the session; ``bridge``: session events -> server events). Import it from there: it
+  pulls in the session core and starlette.
 """
 
 from __future__ import annotations

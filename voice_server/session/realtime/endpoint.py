@@ -17,8 +17,8 @@ decision, so a client that sends raw audio learns why instead of being cut off).
 server's WebSocket size limit closes the connection with 1009 (uvicorn). Whenever the connection ends,
 the running response is aborted in every stage.
 
-`adapt` maps the Realtime session onto the core's config and the audio formats; `bridge` maps the
-session's events onto server events.
+`adapt` maps the Realtime session onto the core's config and the audio formats; `handlers` does what
+each client event asks of the session; `bridge` maps the session's events onto server events.
 
 Output pacing: what the session emits goes out through a `Pacer`, in order, its audio in pieces of
 `PIECE_S`, the client holding at most `lead_s` of it; OpenAI's clients cannot pause, so this is what lets
@@ -32,8 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -49,29 +48,11 @@ from voice_server.session.events import (
 )
 from voice_server.session.pacing import Pacer
 from voice_server.session.realtime import server_events as se
-from voice_server.session.realtime.adapt import MAX_INPUT_PACE, InputPace, core_config, decode_input, sampling_params
+from voice_server.session.realtime.adapt import InputPace, core_config
 from voice_server.session.realtime.bridge import Bridge, Event
-from voice_server.session.realtime.errors import (
-    ACTIVE_RESPONSE,
-    CANCEL_NOT_ACTIVE,
-    INPUT_AUDIO_TOO_FAST,
-    INVALID_VALUE,
-    UNSUPPORTED,
-    FieldError,
-    ProtocolError,
-)
-from voice_server.session.realtime.events import (
-    ConversationItemCreate,
-    ConversationItemDelete,
-    ConversationItemTruncate,
-    InputAudioBufferAppend,
-    InputAudioBufferClear,
-    InputAudioBufferCommit,
-    ResponseCancel,
-    ResponseCreate,
-    SessionUpdate,
-    parse_client_event,
-)
+from voice_server.session.realtime.errors import ProtocolError
+from voice_server.session.realtime.events import parse_client_event
+from voice_server.session.realtime.handlers import HANDLERS
 from voice_server.session.realtime.session_config import DEFAULT_SESSION
 from voice_server.session.realtime.session_fields import ServerVad
 
@@ -181,139 +162,9 @@ class RealtimeConnection:
             return
         self.bridge.client_event_id = event.event_id
         try:
-            await _HANDLERS[type(event)](self, event)
+            await HANDLERS[type(event)](self, event)
         finally:
             self.bridge.client_event_id = None
-
-    # -- handlers ----------------------------------------------------------------------------------------
-
-    async def on_session_update(self, event: SessionUpdate) -> None:
-        try:
-            config = self.config.updated(event.patch)
-            core = core_config(config)
-        except FieldError as exc:
-            await self.send(exc.to_protocol_error(event.event_id).to_event())
-            return
-        except ValueError as exc:
-            await self.error(INVALID_VALUE, str(exc), "session.audio.input.turn_detection")
-            return
-        await self.session.reconfigure(core)
-        self.config = self.bridge.session = config
-        await self.send(se.session_updated(config))
-
-    async def on_append(self, event: InputAudioBufferAppend) -> None:
-        fmt = self.config.input_format
-        try:
-            pcm = decode_input(event.audio, fmt)
-        except ValueError as exc:
-            await self.error(INVALID_VALUE, f"Invalid 'audio' for {fmt.type}: {exc}.", "audio")
-            return
-        num_ms = 1000.0 * pcm.size / fmt.rate_hz
-        if not self.pace.admit(num_ms):
-            await self.error(INPUT_AUDIO_TOO_FAST, f"Audio is arriving faster than {MAX_INPUT_PACE:g}x real time; "
-                                                   f"this append ({num_ms:.0f} ms) was dropped. Send audio as it "
-                                                   "is captured.", "audio")
-            return
-        if pcm.size:
-            await self.session.on_audio(pcm)
-            self.metrics.count_session(self.session)
-
-    async def on_commit(self, event: InputAudioBufferCommit) -> None:
-        await self.session.commit()  # NOTE: an empty buffer is the session's error event
-
-    async def on_clear(self, event: InputAudioBufferClear) -> None:
-        await self.session.clear()
-        await self.send(se.input_audio_cleared())
-
-    async def on_item_create(self, event: ConversationItemCreate) -> None:
-        items = self.session.conversation.items
-        previous = event.previous_item_id
-        if previous is not None and previous != (items[-1].item_id if items else "root"):
-            if self.session.conversation.get(previous) is None and previous != "root":
-                await self.error(INVALID_VALUE, f"No item with id '{previous}'.", "previous_item_id")
-            else:
-                await self.error(UNSUPPORTED, "Items are added at the end of the conversation only: "
-                                              "previous_item_id must be the last item's id.", "previous_item_id")
-            return
-        try:
-            await self.session.add_text(event.item.text, event.item.role, event.item.item_id)
-        except ValueError:
-            await self.error(INVALID_VALUE, f"An item with id '{event.item.item_id}' exists already.", "item.id")
-
-    async def on_truncate(self, event: ConversationItemTruncate) -> None:
-        item = self.session.conversation.get(event.item_id)
-        if item is None or item.role != "assistant":
-            await self.error(INVALID_VALUE, f"No assistant item with id '{event.item_id}'.", "item_id")
-            return
-        if event.content_index != 0:
-            await self.error(INVALID_VALUE, "Assistant items have one content part: content_index must be 0.",
-                             "content_index")
-            return
-        await self._stop_response_of(item.item_id)
-        if event.audio_end_ms > item.num_audio_ms:
-            await self.error(INVALID_VALUE, f"Audio content of {item.num_audio_ms}ms is already shorter than "
-                                            f"{event.audio_end_ms}ms.", "audio_end_ms")
-            return
-        await self.session.truncate(item.item_id, event.audio_end_ms)
-
-    async def on_delete(self, event: ConversationItemDelete) -> None:
-        await self._stop_response_of(event.item_id)
-        if not self.session.conversation.delete(event.item_id):
-            await self.error(INVALID_VALUE, f"No item with id '{event.item_id}'.", "item_id")
-            return
-        await self.send(se.conversation_item_deleted(event.item_id))
-
-    async def _stop_response_of(self, item_id: str) -> None:
-        """The client truncates or deletes the item a response is still writing: it has stopped listening
-        to that response, so the response stops (as `response.cancel` would) before the item changes."""
-        run = self.bridge.active
-        if run is not None and run.item_id == item_id:
-            run.cancel_reason = "client_cancelled"
-            await self.session.cancel_response()
-
-    async def on_response_create(self, event: ResponseCreate) -> None:
-        overrides = event.response
-        self.metrics.turn_ended()
-        if self.session.is_responding():
-            await self.error(ACTIVE_RESPONSE, "Conversation already has an active response in progress.")
-            return
-        if overrides.is_out_of_band:
-            await self.error(UNSUPPORTED, "Responses outside the conversation are not supported.",
-                             "response.conversation")
-            return
-        if overrides.output_format is not None and overrides.output_format != self.config.output_format:
-            await self.error(UNSUPPORTED, "A response's output format must be the session's; change it with "
-                                          "session.update.", "response.audio.output.format")
-            return
-        base = dict(dict(self.session.config.params).get("sampling", {}))
-        if overrides.max_output_tokens == "inf":
-            base.pop("max_tokens", None)
-        max_tokens = overrides.max_output_tokens if isinstance(overrides.max_output_tokens, int) else None
-        sampling = sampling_params(max_tokens, overrides.temperature, base)
-        self.bridge.overrides = overrides
-        await self.session.create_response({"sampling": sampling} if sampling else None, overrides.instructions)
-
-    async def on_response_cancel(self, event: ResponseCancel) -> None:
-        run = self.bridge.active
-        if run is None or event.response_id not in (None, run.response_id):
-            await self.error(CANCEL_NOT_ACTIVE, "There is no active response to cancel"
-                             + (f" with id '{event.response_id}'." if event.response_id else "."), "response_id")
-            return
-        run.cancel_reason = "client_cancelled"
-        await self.session.cancel_response()
-
-
-_HANDLERS: dict[type, Callable[[RealtimeConnection, Any], Awaitable[None]]] = {
-    SessionUpdate: RealtimeConnection.on_session_update,
-    InputAudioBufferAppend: RealtimeConnection.on_append,
-    InputAudioBufferCommit: RealtimeConnection.on_commit,
-    InputAudioBufferClear: RealtimeConnection.on_clear,
-    ConversationItemCreate: RealtimeConnection.on_item_create,
-    ConversationItemTruncate: RealtimeConnection.on_truncate,
-    ConversationItemDelete: RealtimeConnection.on_delete,
-    ResponseCreate: RealtimeConnection.on_response_create,
-    ResponseCancel: RealtimeConnection.on_response_cancel,
-}
 
 
 async def realtime_ws(websocket: WebSocket) -> None:

@@ -4,8 +4,8 @@ Inbound frames go through `TwilioStreamGuard` (parse, order and identity checks;
 with its code: 1003, 1008 or 1009). The session starts at `start`: 8 kHz input (the caller's mu-law
 decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), server VAD.
 
-- Settings: `app.state.twilio` (`TwilioSettings`; absent: the defaults, no auth). With a `token`, `start`
-  must carry it in `customParameters` (`is_authorized`), else the socket closes with 1008.
+- Settings: `app.state.twilio` (`TwilioSettings`, in `settings`; absent: the defaults, no auth). With a
+  `token`, `start` must carry it in `customParameters` (`is_authorized`), else the socket closes with 1008.
 - Instructions: `settings.instructions`, unless `start.customParameters` has `instructions`: the TwiML
   that opens the stream is written by our own HTTP handler, so it may pick the prompt per call (e.g. per
   dialled number). NOTE: without a token anyone may connect and set it; it is only a prompt.
@@ -27,13 +27,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from voice_server.session.config import SessionConfig
 from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
 from voice_server.session.core import Session
 from voice_server.session.events import (
@@ -46,7 +42,6 @@ from voice_server.session.events import (
     SpeechStarted,
 )
 from voice_server.session.pacing import Pacer
-from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.twilio.auth import is_authorized
 from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
 from voice_server.session.twilio.messages import (
@@ -66,44 +61,18 @@ from voice_server.session.twilio.outbound import (
     build_media_message,
 )
 from voice_server.session.twilio.playback import PlaybackTracker
+from voice_server.session.twilio.settings import TwilioSettings
 from voice_server.session.twilio.stream import TwilioStreamGuard
 
-__all__ = ["CallListener", "TwilioSettings", "twilio_ws"]
+__all__ = ["twilio_ws"]
 
 ENDPOINT = "twilio"
 log = logging.getLogger(__name__)
 START_TIMEOUT_S = 10.0
+"""Twilio sends `connected` and `start` as soon as the socket opens; a socket without them is not Twilio."""
 LEAD_S = 0.08
 """The most audio Twilio holds ahead (`Pacer`): less than a realtime client's (its media servers are on a data
 centre's network), since on the phone band Silero hears a barge-in's "St" up to ~180 ms late."""
-"""Twilio sends `connected` and `start` as soon as the socket opens; a socket without them is not Twilio."""
-INSTRUCTIONS_PARAMETER = "instructions"
-
-CallListener = Callable[[TwilioStart, "SessionEvent | TwilioDtmf"], None]
-"""Called on the server's loop with each session event and key press of a call; must not block."""
-
-
-@dataclass(frozen=True)
-class TwilioSettings:
-    token: str | None = None
-    """None: no authentication (any client that speaks the protocol gets a session)."""
-    instructions: str = ""
-    turn_detection: TurnDetectionConfig | None = None
-    """None: the pipeline's default (`PipelineConfig.turn_detection`); a call has no manual turns."""
-    params: tuple[tuple[str, Any], ...] = ()
-    """Request params of every response (e.g. sampling), as in `SessionConfig`."""
-    listener: CallListener | None = None
-
-    def __post_init__(self) -> None:
-        if self.token is not None and (not isinstance(self.token, str) or not self.token):
-            raise ValueError("twilio token: must be a non-empty string or None")
-
-    def session_config(self, start: TwilioStart, default_type: str = "server_vad") -> SessionConfig:
-        """The call's session config; ValueError for instructions `SessionConfig` refuses."""
-        instructions = start.custom_parameters.get(INSTRUCTIONS_PARAMETER, self.instructions)
-        turns = self.turn_detection or TurnDetectionConfig(type=default_type)
-        return SessionConfig(input_rate=TWILIO_SAMPLE_RATE, output_rate=TWILIO_SAMPLE_RATE, instructions=instructions,
-                             turn_detection=turns, params=self.params)
 
 
 class TwilioConnection:
