@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import children_of, shm_segments, wait_gone
@@ -39,10 +40,15 @@ def numeric_config(tmp_path: Path, old: str = "", new: str = "") -> Path:
     return path
 
 
+# NOTE: one index past the devices this host has, so the refusal holds on a GPU host too.
+ABSENT_CUDA = f"cuda:{torch.cuda.device_count()}"
+
+
 @pytest.mark.parametrize("old, new, field", [
-    ("    terminal: true\n", "    terminal: true\n    device: cuda:7\n", "field 'device': cuda:7 is not on this host"),
+    ("    terminal: true\n", f"    terminal: true\n    device: {ABSENT_CUDA}\n",
+     f"field 'device': {ABSENT_CUDA} is not on this host"),
     ("numeric:create_sink", "no_such_module:create", "field 'factory': cannot import module"),
-], ids=["cuda7", "missing-factory"])
+], ids=["absent-cuda", "missing-factory"])
 def test_serve_refuses_what_check_config_refuses_with_its_message(
     tmp_path: Path, old: str, new: str, field: str
 ) -> None:
