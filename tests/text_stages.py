@@ -1,7 +1,8 @@
 """A model-free "LLM" for tests of stages fed text deltas (an `ar` stage, like the thinker).
 
 Input: `{"text": str}` (or a session's `{"messages": [...]}`, whose last user message is taken as
-the text, so a typed turn over `/ws` is echoed back), the reply it "generates": one token per step,
+the text, so a typed turn over `/ws` is echoed back; a tool result after it as "The tool says:
+<result>"), the reply it "generates": one token per step,
 each streaming a delta of that text (words with their leading space, punctuation marks apart, as an
 LLM's tokens come), then EOS.
 Every delta streams as `{"token_ids": [id], "text": delta}` to `stream_to` stages; the final
@@ -46,8 +47,11 @@ class ScriptedTextRunner(Runner[ARBatch, ARResult]):
             raise AdmissionError("this stage takes whole requests")
         text = item.payload.get("text")
         if text is None and isinstance(item.payload.get("messages"), list):
-            text = next((m.get("content") for m in reversed(item.payload["messages"])
-                         if isinstance(m, dict) and m.get("role") == "user"), None)
+            last = next((m for m in reversed(item.payload["messages"])
+                         if isinstance(m, dict) and m.get("role") in ("user", "tool")), {})
+            text = last.get("content")
+            if last.get("role") == "tool":
+                text = f"The tool says: {text}"
         if not isinstance(text, str):
             raise AdmissionError("payload.text: must be a string")
         self.deltas[item.request_id] = text_deltas(text)

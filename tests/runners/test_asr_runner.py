@@ -108,6 +108,9 @@ def test_a_whole_request_replaces_each_audio_message_with_its_transcript(runner:
     assert again.payload["input_transcript"] == out[3]["content"]
     [text_only] = run(runner, [WorkItem("t", WorkKind.NEW, {"messages": HISTORY})])
     assert text_only.payload == {"input_transcript": "", "messages": HISTORY}
+    # No turn yet (the agent speaks first): the empty conversation goes on to the thinker.
+    [greeting] = run(runner, [WorkItem("g", WorkKind.NEW, {"messages": []})])
+    assert greeting.kind is EmitKind.RESULT and greeting.payload == {"input_transcript": "", "messages": []}
 
 
 def test_a_streamed_turn_transcribes_untranscribed_audio_in_its_history(runner: AsrRunner) -> None:
@@ -128,7 +131,7 @@ def test_a_streamed_turn_transcribes_untranscribed_audio_in_its_history(runner: 
 @pytest.mark.parametrize(("item", "match"), [
     (WorkItem("r", WorkKind.NEW, ["not", "a", "dict"]), r"payload: must be a mapping"),  # type: ignore[arg-type]
     (WorkItem("r", WorkKind.NEW, {"messages": [], "prompt": "x"}), r"unknown field\(s\) prompt"),
-    (WorkItem("r", WorkKind.NEW, {"messages": []}), r"payload.messages: must be a non-empty list"),
+    (WorkItem("r", WorkKind.NEW, {"messages": {}}), r"payload.messages: must be a list of messages, got dict"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user"}]}), r"messages\[0\]: needs 'content'"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "robot", "content": "x"}]}), r"messages\[0\].role"),
     (WorkItem("r", WorkKind.NEW, {"messages": [{"role": "user", "content": 3}]}), r"messages\[0\].content"),

@@ -281,7 +281,7 @@ def test_admission(runner: DecoderRunner) -> None:
         (_new({"token_ids": [1] * 512}), "payload.token_ids: 512 tokens"),
         (_new({"prompt": "hi"}), "payload.prompt: this stage has no tokenizer"),
         (_new({"prompt": 3}), "payload.prompt: must be a string"),
-        (_new({"messages": []}), "payload.messages: must be a non-empty list"),
+        (_new({"messages": {}}), "payload.messages: must be a list"),
         (_new({"messages": [{"role": "bot", "content": "x"}]}), r"payload.messages\[0\].role"),
         (_new({"messages": [{"role": "user", "content": 1}]}), r"payload.messages\[0\].content"),
         (_new({"token_ids": [1]}, {"sampling": {"temprature": 1}}), "params.sampling: unknown field"),

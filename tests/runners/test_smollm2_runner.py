@@ -114,6 +114,12 @@ def test_create_llm_default_stage(loaded: Any) -> None:
     assert (item.params["sampling"]["temperature"], item.params["sampling"]["top_p"]) == (0.6, 0.5)
 
 
+def test_an_empty_conversation_is_the_generation_prompt_alone(runner: DecoderRunner, loaded: Any) -> None:
+    # The agent speaks first (a greeting): no turn, no system message, the model starts its reply.
+    item = runner.admit(WorkItem("g", WorkKind.NEW, {"messages": []}))
+    assert item.payload == {"token_ids": loaded[1].encode("<|im_start|>assistant\n")}
+
+
 def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(runner: DecoderRunner) -> None:
     rules = dataclasses.replace(runner.rules, max_model_len=512)
     encode_chat = rules.encode_chat

@@ -164,3 +164,21 @@ def test_a_spoken_question_gets_a_spoken_answer_over_realtime(default: SessionSe
     assert word_error_rate(text, heard(audio, 24000)) <= MAX_WER, text
     client.close()
     default.wait_idle(timeout=20)
+
+
+def test_the_agent_speaks_first_on_an_empty_conversation(default: SessionServer) -> None:
+    # A telephony bot greets the caller: response.create before anyone has said anything, with and without
+    # instructions, is a spoken reply (it was a pipeline_error from the asr stage: "messages must be non-empty").
+    for instructions in ("Greet the caller and ask how you can help.", ""):
+        client = RealtimeClient(default.port)
+        client.update(instructions=instructions, audio={"input": {"turn_detection": None}})
+        client.send("response.create")
+        events = client.until("response.done", timeout=60)
+        response = events[-1]["response"]
+        assert response["status"] == "completed", response
+        assert not [e for e in events if e["type"] == "error"]
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+        audio = b"".join(b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+        assert text.strip() and len(audio) > 48 * 200, (instructions, text)
+        client.close()
+    default.wait_idle(timeout=20)

@@ -85,6 +85,26 @@ def test_a_spoken_turn_gets_audio_and_marks_back(server: SessionServer, calls: C
     assert phone.closed_with() == 1000
 
 
+def test_a_greeting_makes_the_agent_speak_before_the_caller(server: SessionServer, calls: Calls) -> None:
+    server.app.state.twilio = TwilioSettings(listener=calls, greeting="Greet the caller.",
+                                             params=(("sampling", {"max_tokens": 4}),))
+    phone = Phone(server.port)
+    phone.start(instructions="be brief")
+    # NOTE: the caller says nothing (silence on the line) while the greeting is sent and played.
+    phone.talk(ulaw_of(signal_of(16000, ("noise", 200))), until=lambda: calls.of(phone, ResponseDone)
+               and not phone.is_playing)
+    [(_, done)] = calls.of(phone, ResponseDone)
+    # One system message (the call's instructions, then the greeting's), no user turn, spoken to the caller.
+    assert done.status == "completed" and done.text.split()[:2] == ["m1a0", "p0"], done
+    assert phone.num_received_samples > 0 and phone.num_played_samples == phone.num_received_samples
+    phone.stop()
+    assert phone.closed_with() == 1000
+    # A call's customParameters override it; a bad one closes the call with 1008 before anything is said.
+    phone = Phone(server.port, name="2")
+    phone.start(greeting="x" * 3000)
+    assert phone.closed_with() == 1008 and phone.num_received_samples == 0
+
+
 @pytest.mark.parametrize("custom", [{}, {"token": "wrong"}, {"authorization": "Bearer s3cre"},
                                     {"token": "s3cret", "authorization": "Bearer s3cret"}])
 def test_a_call_without_the_right_token_is_closed_with_1008(server: SessionServer, calls: Calls,

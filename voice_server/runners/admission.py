@@ -2,7 +2,10 @@
 
 NEW payloads: `{"messages": [{"role", "content"}, ...]}` (chat template with generation prompt;
 the `input_transcript*` fields beside them, from the asr stage, are ignored; a conversation too long for
-the model loses its oldest turns, see `fit_messages`),
+the model loses its oldest turns, see `fit_messages`; an assistant message may carry `tool_calls`
+[{"id", "name", "arguments": JSON text}], a `tool` message is a call's result with its `tool_call_id`,
+and `params["tools"]` [{"name", "description", "parameters"}] go into the prompt: `models/chat_tools.py`,
+which also checks `params["tool_choice"]`, enforced by the session, never in the prompt),
 `{"prompt": str}` or `{"token_ids": [int, ...]}`; an empty payload only for a streamed request
 (its input arrives as CHUNKs). CHUNK payloads: `{"text": str}` or `{"token_ids": [...]}`.
 Every refusal is an `AdmissionError` naming the offending field.
@@ -11,14 +14,16 @@ Every refusal is an `AdmissionError` naming the offending field.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from bisect import bisect_left
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from voice_server.models.chat_tools import TOOL_KEYS, Tool, request_tools, tool_fields, tools_section
 from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 256
 """Messages a prompt keeps at most (the newest; a leading system message stays)."""
 MAX_PAYLOAD_MESSAGES = 4096
@@ -29,8 +34,13 @@ messages already end with that text, so it is ignored here."""
 _MAX_CHARS_PER_TOKEN = 32
 """Text longer than this many characters per allowed token is refused before tokenising it."""
 
-EncodeChat = Callable[[Sequence[dict[str, str]]], list[int]]
 Encode = Callable[[str], list[int]]
+
+
+class EncodeChat(Protocol):
+    """Checked messages (and the request's tools) -> the prompt's ids, ending with the generation prompt."""
+
+    def __call__(self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Tool] = ...) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -61,9 +71,13 @@ def admit(item: WorkItem, rules: AdmissionRules) -> WorkItem:
     params = item.params
     if item.kind is WorkKind.NEW:
         params = merged_sampling_params(item.params, rules.sampling_defaults)
+        try:
+            tools = request_tools(params)
+        except ValueError as exc:
+            raise AdmissionError(str(exc)) from exc
         if not payload and item.is_stream:
             return dataclasses.replace(item, payload={"token_ids": []}, params=params)
-        token_ids = _new_token_ids(payload, rules, params["sampling"]["max_tokens"])
+        token_ids = _new_token_ids(payload, rules, params["sampling"]["max_tokens"], tools)
     else:
         token_ids = _chunk_token_ids(payload, rules)
     return dataclasses.replace(item, payload={"token_ids": token_ids}, params=params)
@@ -80,7 +94,10 @@ def merged_sampling_params(params: dict[str, Any], defaults: SamplingParams) -> 
     return {**params, "sampling": dataclasses.asdict(sampling)}
 
 
-def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules, max_tokens: int | None) -> list[int]:
+def _new_token_ids(
+    payload: dict[str, Any], rules: AdmissionRules, max_tokens: int | None, tools: Sequence[Tool]
+) -> list[int]:
+    # NOTE: `tools` go into a `messages` prompt only: a `prompt` or `token_ids` comes already written.
     keys = [k for k in ("messages", "prompt", "token_ids") if k in payload]
     if len(keys) != 1:
         raise AdmissionError("payload: needs exactly one of 'messages', 'prompt', 'token_ids'")
@@ -97,7 +114,7 @@ def _new_token_ids(payload: dict[str, Any], rules: AdmissionRules, max_tokens: i
         messages = _check_messages(payload[key])
         if rules.encode_chat is None:
             raise AdmissionError("payload.messages: this stage has no chat template; send token_ids")
-        ids = fit_messages(messages, rules, max_tokens)
+        ids = fit_messages(messages, rules, max_tokens, tools)
         _check_len("payload.messages", len(ids), rules)
     if not ids:
         raise AdmissionError(f"payload.{key}: gives no tokens")
@@ -135,38 +152,53 @@ def _encode_text(where: str, value: Any, rules: AdmissionRules) -> list[int]:
     return ids
 
 
-def fit_messages(messages: list[dict[str, str]], rules: AdmissionRules, max_tokens: int | None) -> list[int]:
+def fit_messages(
+    messages: list[dict[str, Any]], rules: AdmissionRules, max_tokens: int | None, tools: Sequence[Tool] = ()
+) -> list[int]:
     """The chat ids of the newest messages that fit: a long conversation (a call of hundreds of turns)
     loses its oldest messages, never a leading system message, rather than every response failing once
     it outgrows the model (what OpenAI Realtime's `truncation: auto` does).
 
     Fits means: at most `MAX_MESSAGES` messages, the characters bound of `_encode_text`, and a prompt that
-    leaves room for `max_tokens` (at most half the context) of reply. The last message is always kept:
-    if it alone is too long, `_check_len` refuses the request as before."""
-    assert rules.encode_chat is not None
-    system = messages[:1] if messages[0]["role"] == "system" else []
+    leaves room for `max_tokens` (at most half the context) of reply; the tools' section counts toward both
+    bounds. The last message is always kept: if it alone is too long, `_check_len` refuses the request as
+    before. A tool result is never kept without the assistant call before it: they are dropped together, so
+    the last message, a result, keeps its call."""
+    encode_chat = rules.encode_chat
+    assert encode_chat is not None
+    system = messages[:1] if messages and messages[0]["role"] == "system" else []
     turns = messages[len(system):]
+    # NOTE: where the kept messages may begin: anywhere but at a tool result (results at the very start have
+    # no call left to keep).
+    starts = [i for i, m in enumerate(turns) if i == 0 or m["role"] != "tool"] or [0]
+    last = len(starts) - 1
     char_budget = rules.max_input_len * _MAX_CHARS_PER_TOKEN
     # NOTE: count and characters first (cheap), so a huge payload is never tokenised whole.
-    first = max(0, len(turns) - (MAX_MESSAGES - len(system)))
-    num_chars = sum(len(m["content"]) for m in system + turns[first:])
-    while first < len(turns) - 1 and num_chars > char_budget:
-        num_chars -= len(turns[first]["content"])
-        first += 1
+    k = min(last, bisect_left(starts, len(turns) - (MAX_MESSAGES - len(system))))
+    num_chars = sum(_num_chars(m) for m in system + turns[starts[k]:]) + (len(tools_section(tools)) if tools else 0)
+    while k < last and num_chars > char_budget:
+        num_chars -= sum(_num_chars(m) for m in turns[starts[k]:starts[k + 1]])
+        k += 1
     if num_chars > char_budget:
         raise AdmissionError(f"payload.messages: {num_chars} characters is too long")
     reserve = min(max_tokens or 1, rules.max_model_len // 2)
     token_budget = max(1, min(rules.max_input_len, rules.max_model_len - reserve))
-    ids = rules.encode_chat(system + turns[first:])
-    if len(ids) <= token_budget or first == len(turns) - 1:
+
+    def encode_from(j: int) -> list[int]:
+        kept = system + turns[starts[j]:]
+        # NOTE: without tools, the one-argument call every template takes (a stand-in's too)
+        return encode_chat(kept, tools=tools) if tools else encode_chat(kept)
+
+    ids = encode_from(k)
+    if len(ids) <= token_budget or k == last:
         return ids
     # NOTE: the fewest dropped messages that fit, by bisection (a chat template need not be additive per
-    # message, so each candidate is encoded whole); `hi` always fits or is the last message alone.
-    lo, hi = first, len(turns) - 1
-    best = rules.encode_chat(system + turns[hi:])
+    # message, so each candidate is encoded whole); `hi` always fits or is the last start alone.
+    lo, hi = k, last
+    best = encode_from(hi)
     while lo + 1 < hi:
         mid = (lo + hi) // 2
-        candidate = rules.encode_chat(system + turns[mid:])
+        candidate = encode_from(mid)
         if len(candidate) <= token_budget:
             hi, best = mid, candidate
         else:
@@ -174,22 +206,34 @@ def fit_messages(messages: list[dict[str, str]], rules: AdmissionRules, max_toke
     return best
 
 
-def _check_messages(value: Any) -> list[dict[str, str]]:
-    if not isinstance(value, list | tuple) or not value:
-        raise AdmissionError("payload.messages: must be a non-empty list of {role, content}")
+def _num_chars(message: Mapping[str, Any]) -> int:
+    calls = message.get("tool_calls", ())
+    return len(message["content"]) + sum(len(call["name"]) + len(call["arguments"]) for call in calls)
+
+
+def _check_messages(value: Any) -> list[dict[str, Any]]:
+    # NOTE: an empty list is a conversation with no turn yet: the prompt is the template's generation prompt
+    # alone, and the model speaks first (a telephony bot's greeting).
+    if not isinstance(value, list | tuple):
+        raise AdmissionError(f"payload.messages: must be a list of {{role, content}}, got {type(value).__name__}")
     if len(value) > MAX_PAYLOAD_MESSAGES:
         raise AdmissionError(f"payload.messages: {len(value)} messages, at most {MAX_PAYLOAD_MESSAGES}")
     messages = []
     for i, message in enumerate(value):
         where = f"payload.messages[{i}]"
-        if not isinstance(message, dict) or set(message) != {"role", "content"}:
-            raise AdmissionError(f"{where}: must be a mapping with exactly 'role' and 'content'")
+        if not isinstance(message, dict) or not {"role", "content"} <= set(message) <= {"role", "content", *TOOL_KEYS}:
+            raise AdmissionError(f"{where}: must be a mapping with 'role' and 'content', and besides them only an "
+                                 "assistant's 'tool_calls' or a tool result's 'tool_call_id'")
         role, content = message["role"], message["content"]
         if role not in ROLES:
-            raise AdmissionError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
+            raise AdmissionError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}"[:300])
         if not isinstance(content, str):
             raise AdmissionError(f"{where}.content: must be a string, got {type(content).__name__}")
-        messages.append({"role": role, "content": content})
+        try:
+            fields = tool_fields(where, message)
+        except ValueError as exc:
+            raise AdmissionError(str(exc)) from exc
+        messages.append({"role": role, "content": content, **fields})
     return messages
 
 

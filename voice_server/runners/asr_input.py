@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 
 from voice_server.audio.pcm import float32_to_pcm16
+from voice_server.models.chat_tools import TOOL_KEYS, tool_fields
 from voice_server.scheduling import AdmissionError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_MESSAGES = 256
 MAX_CHARS = 1 << 20
 """Text of one request's history, all messages together (the thinker bounds it in tokens)."""
@@ -42,22 +43,29 @@ def messages_with_audio(value: Any, max_num_samples: int, is_empty_allowed: bool
     """`payload.messages`: user messages may carry `audio` (at most `max_num_samples` in all) instead of
     `content` (a whole request's turn, or an earlier turn of a streamed one that was never transcribed).
 
-    Returns the messages as `{role, content}`, or `{role, pcm}` (bytes) for those with audio.
+    Returns the messages as `{role, content}` (with an assistant's `tool_calls` or a tool result's
+    `tool_call_id`, checked as the thinker checks them: `models/chat_tools.py`), or `{role, pcm}` (bytes) for
+    those with audio.
     """
     messages = _message_list(value, is_empty_allowed)
     checked: list[dict[str, Any]] = []
     total_chars = total_samples = 0
     for i, message in enumerate(messages):
         where = f"payload.messages[{i}]"
-        if not isinstance(message, dict) or "role" not in message or not set(message) <= {"role", "content", "audio"}:
+        if not isinstance(message, dict) or "role" not in message \
+                or not set(message) <= {"role", "content", "audio", *TOOL_KEYS}:
             raise AdmissionError(f"{where}: must be a mapping with 'role' and 'content' or (user) 'audio'")
         role = _role(where, message["role"])
         content = _content(where, message.get("content", ""))
-        total_chars += len(content)
+        try:
+            fields = tool_fields(where, message)
+        except ValueError as exc:
+            raise AdmissionError(str(exc)) from exc
+        total_chars += len(content) + sum(len(call["arguments"]) for call in fields.get("tool_calls", ()))
         if "audio" not in message:
             if "content" not in message:
                 raise AdmissionError(f"{where}: needs 'content' or (user) 'audio'")
-            checked.append({"role": role, "content": content})
+            checked.append({"role": role, "content": content, **fields})
             continue
         if role != "user":
             raise AdmissionError(f"{where}.audio: only user messages may carry audio, this one is {role!r}")

@@ -82,7 +82,7 @@ class _Request:
         """The recogniser of a request that has one (every request the runner runs items of)."""
         assert self.recognizer is not None
         return self.recognizer
-    messages: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     """A stream's history, transcribed (its turn is appended at the end)."""
     num_samples: int = 0
     """Audio admitted so far (a stream's chunks)."""
@@ -129,8 +129,9 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
         unknown = sorted(str(k) for k in payload if k != "messages")
         if unknown:
             raise AdmissionError(f"payload: unknown field(s) {', '.join(unknown)} (only 'messages')")
+        # NOTE: an empty conversation is a response with no user turn yet: the agent speaks first (a greeting).
         messages = messages_with_audio(payload.get("messages", [] if item.is_stream else None),
-                                       self.config.max_num_samples, is_empty_allowed=item.is_stream)
+                                       self.config.max_num_samples, is_empty_allowed=True)
         # NOTE: last: a refusal above must not hold a decoder. A turn queued behind waiting ones waits too.
         recognizer = None if item.is_stream and self._waiting else self.pool.acquire()
         if recognizer is None and not item.is_stream:
@@ -231,9 +232,9 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
 
     def _transcribe_messages(
         self, admitted: list[dict[str, Any]], request: _Request,
-    ) -> tuple[list[dict[str, str]], str]:
+    ) -> tuple[list[dict[str, Any]], str]:
         """Messages with each audio clip replaced by its transcript, and the last transcript ("" if none)."""
-        messages: list[dict[str, str]] = []
+        messages: list[dict[str, Any]] = []
         transcript = ""
         for message in admitted:
             if "pcm" not in message:

@@ -18,20 +18,22 @@ Malformed input is refused at `admit` with an `AdmissionError` naming the field 
 
 A payload `{"messages": [{"role", "content", "audio"?}], ...}` (what the session layer sends) is
 first turned into `token_ids` and `audio` by the stage's chat template (`models/qwen3_omni/chat.py`),
-when the stage has one (a tokenizer, or the tiny preset's stand-in).
+when the stage has one (a tokenizer, or the tiny preset's stand-in), with the functions of `params["tools"]`
+(`models/chat_tools.py`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from voice_server.models.chat_tools import Tool, request_tools
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder, num_audio_tokens
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
@@ -93,7 +95,10 @@ class AdmittedAudio:
             raise ValueError("AdmittedAudio: clips, is_features, feature_lens and token_counts differ in length")
 
 
-ChatTemplate = Callable[[Any], tuple[list[int], list[Any]]]
+class ChatTemplate(Protocol):
+    """messages (and the request's checked tools) -> (token ids, audio clips); ValueError naming the field."""
+
+    def __call__(self, messages: Any, *, tools: Sequence[Tool] = ...) -> tuple[list[int], list[Any]]: ...
 
 
 class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
@@ -117,7 +122,7 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
         if not isinstance(payload, dict):
             raise AdmissionError(f"payload: must be a mapping, got {type(payload).__name__}")
         if "messages" in payload:
-            return self.admit(dataclasses.replace(item, payload=self._from_messages(payload)))
+            return self.admit(dataclasses.replace(item, payload=self._from_messages(payload, item.params)))
         raw = payload.get("audio")
         if raw is None or (isinstance(raw, list | tuple) and not raw):
             if isinstance(payload.get("token_ids"), list) and self._audio_runs(payload["token_ids"]):
@@ -146,13 +151,17 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
         audio = AdmittedAudio(tuple(clips), is_features, feature_lens, counts)
         return dataclasses.replace(item, payload={**payload, "token_ids": expanded, "audio": audio})
 
-    def _from_messages(self, payload: dict[str, Any]) -> dict[str, Any]:
+    def _from_messages(self, payload: dict[str, Any], params: Any) -> dict[str, Any]:
         if self.chat is None:
             raise AdmissionError("payload.messages: this stage has no tokenizer; send token_ids (and audio)")
         if "token_ids" in payload or "audio" in payload:
             raise AdmissionError("payload: give either messages or token_ids with audio, not both")
+        if not isinstance(params, dict):
+            raise AdmissionError(f"params: must be a mapping, got {type(params).__name__}")
         try:
-            token_ids, clips = self.chat(payload["messages"])
+            tools = request_tools(params)
+            # NOTE: without tools, the one-argument call every template takes (a stand-in's too)
+            token_ids, clips = self.chat(payload["messages"], tools=tools) if tools else self.chat(payload["messages"])
         except ValueError as exc:
             raise AdmissionError(str(exc)) from exc
         rest = {k: v for k, v in payload.items() if k != "messages"}

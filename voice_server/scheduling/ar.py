@@ -219,12 +219,17 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
             return [Emit(rid, EmitKind.ERROR, message="runner sampled no token for a sampling sequence")]
         request.token_ids.append(output.token_id)
         step = request.stop.append(output.token_id, output.text, request.num_tokens)
-        emits = [Emit(rid, EmitKind.STREAM, {"token_ids": [output.token_id], "text": step.delta, **output.data})]
-        if step.finish_reason is not None:
+        is_final = step.finish_reason is not None
+        payload = {"token_ids": [output.token_id], "text": step.delta, **output.data}
+        # NOTE: with tools, a token's emit may be held, released later with others, or dropped (tool_calls.py).
+        payloads = [payload] if request.tools is None else request.tools.step(payload, output.text, is_final)
+        emits = [Emit(rid, EmitKind.STREAM, p) for p in payloads]
+        if is_final:
             self._drop(request)
             emits.append(Emit(rid, EmitKind.RESULT, {
                 "token_ids": request.output_ids, "text": request.stop.text, "finish_reason": step.finish_reason,
                 "num_prompt_tokens": request.num_prompt_tokens, "num_cached_tokens": request.num_cached_tokens or 0,
+                **(request.tools.result() if request.tools is not None else {}),
             }))
         elif request.num_tokens > self.spec.num_pages * self.page_size:
             # NOTE: the next step would need more pages than the whole cache: fail rather than loop.

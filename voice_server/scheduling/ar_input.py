@@ -2,7 +2,9 @@
 
 - NEW: `payload.token_ids` (the prompt; empty for a stream whose prompt comes in chunks),
   `num_cacheable_tokens` (leading tokens the prefix cache may serve and fill; null: all) and
-  `max_num_outputs` (the output limit of a feedback stage; null: none), `params.sampling`.
+  `max_num_outputs` (the output limit of a feedback stage; null: none), `params.sampling`, and
+  `params.tools` (a list of {name, description, parameters}; non-empty: tool calls are cut out of the
+  stream, `tool_calls.py`; `params.tool_choice` is the prompt's business, not read here).
 - CHUNK: prompt `token_ids` (before any output), `is_input_done` (the prompt is whole; DONE says the
   same), and a raised `max_num_outputs` (never lowered; null lifts it).
 - DONE: the prompt is whole (once, and not empty).
@@ -19,8 +21,10 @@ from voice_server.scheduling.ar_request import Request
 from voice_server.scheduling.ar_stop import StopChecker
 from voice_server.scheduling.base import WorkItem
 from voice_server.scheduling.contract import ARSpec, SamplingParams
+from voice_server.scheduling.tool_calls import ToolCallGate
 
 _MAX_TOKEN_ID = 2**63
+_TOOL_FIELDS = ("name", "description", "parameters")
 
 
 def new_request(item: WorkItem, spec: ARSpec) -> Request:
@@ -29,8 +33,10 @@ def new_request(item: WorkItem, spec: ARSpec) -> Request:
     token_ids = read_token_ids(item.payload, is_required=not item.is_stream)
     if not item.is_stream and not token_ids:
         raise ValueError("payload.token_ids: the prompt is empty")
-    stop = StopChecker(sampling, spec.eos_token_ids, spec.max_model_len)
+    has_tools = read_tools(item.params)
+    stop = StopChecker(sampling, spec.eos_token_ids, spec.max_model_len, skips_tool_calls=has_tools)
     request = Request(item.request_id, sampling, stop, [], is_input_done=not item.is_stream)
+    request.tools = ToolCallGate() if has_tools else None
     request.num_cacheable_tokens = read_count(item.payload, "num_cacheable_tokens")
     request.max_num_outputs = read_count(item.payload, "max_num_outputs")
     extend_prompt(request, token_ids, spec)
@@ -97,3 +103,24 @@ def read_token_ids(payload: dict[str, Any], is_required: bool) -> list[int]:
     ):
         raise ValueError("payload.token_ids: must be a list of token ids (integers >= 0)")
     return list(raw)
+
+
+def read_tools(params: dict[str, Any]) -> bool:
+    """Whether `params.tools` offers any tool (null or an empty list: none), refusing a malformed value."""
+    raw = params.get("tools")
+    if raw is None:
+        return False
+    where = "params.tools: must be a list of {name, description, parameters}"
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError(f"{where}, got {type(raw).__name__}")
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ValueError(f"{where}; params.tools[{i}] has no name (a non-empty string)")
+        unknown = sorted(str(k) for k in tool if k not in _TOOL_FIELDS)
+        if unknown:
+            raise ValueError(f"{where}; params.tools[{i}] has unknown field(s) {', '.join(unknown)}")
+        if not isinstance(tool.get("description", ""), str):
+            raise ValueError(f"{where}; params.tools[{i}].description is not a string")
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise ValueError(f"{where}; params.tools[{i}].parameters is not a mapping (a JSON schema)")
+    return bool(raw)

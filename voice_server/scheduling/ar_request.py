@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from voice_server.scheduling.ar_stop import StopChecker
 from voice_server.scheduling.contract import SamplingParams
 from voice_server.scheduling.pages import PageKey
+from voice_server.scheduling.tool_calls import ToolCallGate
 
 
 @dataclass(eq=False)
@@ -33,6 +34,8 @@ class Request:
     num_cacheable_tokens: int | None = None
     """Leading tokens whose ids alone determine their keys/values (None: all). Tokens past it (audio
     placeholders, whose embeddings come from the audio) never hit or fill the prefix cache."""
+    tools: ToolCallGate | None = None
+    """Cuts tool calls out of the stream when the request offers tools (`params.tools`); None: off."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -7,6 +7,11 @@ Checked after each sampled token, in this order: a stop token (EOS unless `ignor
 Stop strings: the output ends before the first match, which is not returned. A match may span
 tokens, so the text's longest suffix that could still grow into a stop string is held back from
 the stream until the next token decides it; a stream never shows text the result then drops.
+
+With tools (`skips_tool_calls`), the speech guardrails skip tool calls, which are never spoken: a
+sentence that ends inside a call does not count, nor does a token inside one (its opening tag included)
+toward a repetition. Stop strings and the length limits still apply to a call's text and tokens (a call
+a stop string cuts stays open; `tool_calls.py` reports it unclosed).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import re
 from dataclasses import dataclass
 
 from voice_server.scheduling.contract import SamplingParams
+from voice_server.scheduling.tool_calls import is_in_call
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -32,7 +38,8 @@ class StepText:
 
 
 class StopChecker:
-    def __init__(self, sampling: SamplingParams, eos_token_ids: tuple[int, ...], max_model_len: int) -> None:
+    def __init__(self, sampling: SamplingParams, eos_token_ids: tuple[int, ...], max_model_len: int,
+                 skips_tool_calls: bool = False) -> None:
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
             stop_ids.update(eos_token_ids)
@@ -51,6 +58,7 @@ class StopChecker:
         self._repeat_len = sampling.stop_repeat_len
         self._output_ids: list[int] = []
         self._seen_ngrams: set[tuple[int, ...]] = set()
+        self._skips_tool_calls = skips_tool_calls
 
     @property
     def text(self) -> str:
@@ -70,7 +78,7 @@ class StopChecker:
         if match is not None:
             self._text = self._text[:match]
             return self._finish(FINISH_STOP)
-        if self._repeat_len and self._is_repeating(token_id):
+        if self._repeat_len and not self._is_in_call(len(self._text)) and self._is_repeating(token_id):
             return self._finish(FINISH_STOP)
         if self.num_output_tokens >= self._max_tokens or num_seq_tokens >= self._max_model_len:
             return self._finish(FINISH_LENGTH)
@@ -93,11 +101,17 @@ class StopChecker:
     def _find_sentence_limit(self) -> int | None:
         """Where the text ends after `max_sentences` sentences, once the last one is known to end."""
         for match in _SENTENCE_END.finditer(self._text, self._sentence_scan_pos):
-            self._num_sentences += 1
             self._sentence_scan_pos = match.end()
+            if self._is_in_call(match.start()):
+                continue
+            self._num_sentences += 1
             if self._num_sentences >= self._max_sentences:
                 return match.end()
         return None
+
+    def _is_in_call(self, pos: int) -> bool:
+        """Position `pos` of the text is inside a tool call (only when the request has tools)."""
+        return self._skips_tool_calls and is_in_call(self._text, pos)
 
     def _is_repeating(self, token_id: int) -> bool:
         # NOTE: small models loop ("the capital of France is Paris. The capital of France is ...");

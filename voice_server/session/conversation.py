@@ -19,9 +19,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from voice_server.session.tools import ToolCall
+
 SPEECH_RATE = 16000
 """Sample rate of user audio in the conversation (what speech encoders take)."""
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+KINDS = ("message", "function_call", "function_call_output")
+"""OpenAI's item types: a function call is the assistant's, its output the tool's (the client's answer)."""
 
 
 def new_id(prefix: str) -> str:
@@ -39,10 +43,20 @@ class Item:
     """Assistant: audio sent to the client (after truncation: heard). User: length of `audio`."""
     status: str = "completed"
     """`in_progress` while a response writes it, `completed`, or `incomplete` (cancelled, truncated)."""
+    kind: str = "message"
+    call: ToolCall | None = None
+    """A `function_call` item's call; a `function_call_output` item names it by `call.call_id` (its
+    name and arguments empty) and carries the output as `text`."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"item.role: must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.kind == "message":
+            is_valid = self.call is None and self.role != "tool"
+        else:
+            is_valid = self.call is not None and self.role == ("assistant" if self.kind == "function_call" else "tool")
+        if self.kind not in KINDS or not is_valid:
+            raise ValueError(f"item: a {self.kind!r} item with role {self.role!r} and call {self.call!r}")
 
 
 @dataclass
@@ -75,8 +89,8 @@ class Conversation:
     def truncate(self, item_id: str, audio_end_ms: int) -> Item:
         """Keep only the first `audio_end_ms` of an assistant item's audio, and its text up to there."""
         item = self.get(item_id)
-        if item is None or item.role != "assistant":
-            raise ValueError(f"item_id: no assistant item {item_id!r}")
+        if item is None or item.role != "assistant" or item.kind != "message":
+            raise ValueError(f"item_id: no assistant message item {item_id!r}")
         if not 0 <= audio_end_ms <= item.num_audio_ms:
             raise ValueError(f"audio_end_ms: must be in [0, {item.num_audio_ms}] (the audio sent), got {audio_end_ms}")
         if audio_end_ms < item.num_audio_ms:
@@ -86,9 +100,22 @@ class Conversation:
         return item
 
     def to_messages(self, instructions: str) -> list[dict[str, Any]]:
-        """What the pipeline sees: the instructions as the system message, then every item."""
+        """What the pipeline sees: the instructions as the system message, then every item. A function call
+        joins the assistant message before it (`tool_calls`), as the model wrote them in one turn; its
+        output is a `tool` message."""
         messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
         for item in self.items:
+            call = item.call
+            if item.kind == "function_call" and call is not None:
+                entry = {"id": call.call_id, "name": call.name, "arguments": call.arguments}
+                if messages and messages[-1]["role"] == "assistant":
+                    messages[-1].setdefault("tool_calls", []).append(entry)
+                else:
+                    messages.append({"role": "assistant", "content": "", "tool_calls": [entry]})
+                continue
+            if item.kind == "function_call_output" and call is not None:
+                messages.append({"role": "tool", "tool_call_id": call.call_id, "content": item.text})
+                continue
             if item.role == "assistant" and not item.text:
                 continue  # NOTE: nothing of it was heard (or it was audio only): it was not said
             message: dict[str, Any] = {"role": item.role, "content": item.text}

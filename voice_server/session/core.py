@@ -195,10 +195,15 @@ class Session(StreamedTurns):
 
     async def add_text(self, text: str, role: str = "user", item_id: str | None = None) -> Item:
         """A typed item (`item_id`: the client's own id, if it names one) at the end of the conversation."""
-        if item_id is not None and self.conversation.get(item_id) is not None:
-            raise ValueError(f"item_id: an item {item_id!r} exists already")
-        item = self.conversation.add(Item(item_id or new_id("item"), role, text))
-        await self.emit(InputCommitted(item.item_id, 0, text))
+        return await self.add_item(Item(item_id or new_id("item"), role, text))
+
+    async def add_item(self, item: Item) -> Item:
+        """A client's item (a typed message, a function call or its output) at the end of the conversation;
+        ValueError when an item of its id exists."""
+        if self.conversation.get(item.item_id) is not None:
+            raise ValueError(f"item_id: an item {item.item_id!r} exists already")
+        self.conversation.add(item)
+        await self.emit(InputCommitted(item.item_id, 0, item.text))
         return item
 
     def on_playback(self, played_ms: int) -> None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
+from voice_server.session.tools import ToolCall
+
 
 @dataclass(frozen=True)
 class SpeechStarted:
@@ -92,6 +94,16 @@ class AudioDelta:
 
 
 @dataclass(frozen=True)
+class ToolCalled:
+    """The model called a function, checked against the response's tools (`ToolSet.check`): the client runs
+    it and answers with its output. The call is a `function_call` item of the conversation."""
+
+    response_id: str
+    item_id: str
+    call: ToolCall
+
+
+@dataclass(frozen=True)
 class ResponseDone:
     response_id: str
     item_id: str
@@ -123,5 +135,5 @@ class SessionError:
 
 
 SessionEvent = (SpeechStarted | SpeechStopped | InputCommitted | InputTranscriptDelta | InputTranscriptDone
-                | ResponseStarted | ResponsePaused | ResponseResumed | TextDelta | AudioDelta | ResponseDone
-                | ItemTruncated | SessionError)
+                | ResponseStarted | ResponsePaused | ResponseResumed | TextDelta | AudioDelta | ToolCalled
+                | ResponseDone | ItemTruncated | SessionError)

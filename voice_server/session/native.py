@@ -2,15 +2,18 @@
 
 1. The client's first message is JSON `{"type": "session.start", "input_rate": 16000,
    "output_rate": 24000, "instructions": "...", "turn_detection": {server_vad or semantic_vad fields} | null,
-   "params": {...}}` (every field optional; rates 8000/16000/24000/48000, default 24000; `params` go
-   with every request, e.g. `{"sampling": {"max_tokens": 64}}`). The server answers `session.started`.
+   "tools": [...], "tool_choice": "auto", "params": {...}}` (every field optional; rates
+   8000/16000/24000/48000, default 24000; `tools` and `tool_choice` as OpenAI Realtime's; `params` go with
+   every request, e.g. `{"sampling": {"max_tokens": 64}}`). The server answers `session.started`.
 2. Then binary frames are mono PCM16 little-endian audio at `input_rate`; text frames are JSON:
    `input.commit`, `input.clear` (manual turns), `text` `{"text", "respond": true}`, `response.create`,
    `response.cancel`, `playback` `{"played_ms"}` (how much of the current response the client has
-   played: a barge-in keeps exactly that much in the conversation).
+   played: a barge-in keeps exactly that much in the conversation), `tool_result` `{"call_id", "output",
+   "respond": true}` (a tool call's output; `respond` starts the next response).
 3. The server sends JSON events `speech_started`, `speech_stopped`, `input_committed`,
    `input_transcript_delta` (`item_id`, `delta`) and `input_transcript_done` (`item_id`, `transcript`)
-   where the pipeline transcribes the user, `response_started`, `text_delta`, `response_done`
+   where the pipeline transcribes the user, `response_started`, `text_delta`, `tool_call` (`response_id`,
+   `item_id`, `call_id`, `name`, `arguments`: a checked call; the client runs it), `response_done`
    (`status`, `text`, `audio_ms`, `timings_ms`, `usage`), `item_truncated`, `error` (`code`, `message`), and
    binary frames of PCM16 at `output_rate`: the audio of the response between its `response_started`
    and `response_done`.
@@ -39,6 +42,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
+from voice_server.session.conversation import Item, new_id
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
@@ -55,7 +59,12 @@ from voice_server.session.events import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    ToolCalled,
 )
+from voice_server.session.realtime.adapt import tool_params
+from voice_server.session.realtime.errors import FieldError
+from voice_server.session.realtime.tool_fields import check_choice, parse_tool_choice, parse_tools
+from voice_server.session.tools import ToolCall
 from voice_server.session.turn_config import TurnDetectionConfig
 
 log = logging.getLogger(__name__)
@@ -71,7 +80,7 @@ def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
     names `server_vad`'s own fields."""
     if not isinstance(message, dict) or message.get("type") != "session.start":
         raise ValueError("the first message must be JSON {\"type\": \"session.start\", ...}")
-    known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params"}
+    known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params", "tools", "tool_choice"}
     unknown = sorted(str(k) for k in message if k not in known)
     if unknown:
         raise ValueError(f"session.start: unknown field(s) {', '.join(unknown)}")
@@ -85,6 +94,16 @@ def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
     params = message.get("params", {})
     if not isinstance(params, dict):
         raise ValueError("params: must be an object")
+    if "tools" in params or "tool_choice" in params:
+        raise ValueError("params.tools: give tools and tool_choice in session.start itself (they are checked there)")
+    try:
+        tools = parse_tools(message.get("tools", []), "tools")
+        choice = parse_tool_choice(message.get("tool_choice", "auto"), "tool_choice")
+        check_choice(choice, tools, "tool_choice")
+    except FieldError as exc:
+        raise ValueError(f"{exc.param}: {exc.message}") from exc
+    if tools:
+        params = {**params, **tool_params(tools, choice)}
     return SessionConfig(input_rate=message.get("input_rate", 24000), output_rate=message.get("output_rate", 24000),
                          instructions=message.get("instructions", ""), turn_detection=turns,
                          params=tuple(params.items()))
@@ -114,6 +133,10 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
         return {"type": "response_done", "response_id": event.response_id, "item_id": event.item_id,
                 "status": event.status, "text": event.text, "audio_ms": event.num_audio_ms,
                 "timings_ms": event.timings_ms, "usage": event.usage, "error": event.error}
+    if isinstance(event, ToolCalled):
+        call = event.call
+        return {"type": "tool_call", "response_id": event.response_id, "item_id": event.item_id,
+                "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
     if isinstance(event, ItemTruncated):
         return {"type": "item_truncated", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
     assert isinstance(event, SessionError)
@@ -207,6 +230,8 @@ class NativeConnection:
             if message.get("respond", True):
                 self.metrics.turn_ended()
                 await session.create_response()
+        elif kind == "tool_result":
+            await self._on_tool_result(session, message)
         elif kind == "response.create":
             self.metrics.turn_ended()
             await session.create_response()
@@ -221,6 +246,21 @@ class NativeConnection:
             session.on_playback(played)
         else:
             await self.error("unknown_event", f"unknown message type {kind!r}")
+
+    async def _on_tool_result(self, session: Session, message: dict[str, Any]) -> None:
+        call_id, output = message.get("call_id"), message.get("output")
+        if not isinstance(call_id, str) or not call_id or not isinstance(output, str):
+            await self.error("invalid_value", "tool_result: needs call_id (a non-empty string) and output (a string)")
+            return
+        if not any(item.call is not None and item.call.call_id == call_id and item.kind == "function_call"
+                   for item in session.conversation.items):
+            await self.error("invalid_value", f"tool_result: no tool call {call_id!r} in the conversation")
+            return
+        await session.add_item(Item(new_id("item"), "tool", output, kind="function_call_output",
+                                    call=ToolCall(call_id, "", "")))
+        if message.get("respond", True):
+            self.metrics.turn_ended()
+            await session.create_response()
 
 
 async def native_ws(websocket: WebSocket) -> None:

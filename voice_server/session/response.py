@@ -11,9 +11,6 @@ response answers; they become `InputTranscriptDelta`s (only where the hypothesis
 `InputTranscriptDone`. Such a request may open before the response starts (at speech start): its
 `timings_ms` count from `start()`, the end of the user's turn, and leave out earlier stage stamps.
 
-`OpenTurn` is a spoken turn whose request opened at speech start (`stream_input` pipelines): its
-response run, the request's input stream and the resampler to 16 kHz.
-
 Cancellation (barge-in, `response.cancel`, the client gone) cancels the task running `consume`: the
 request stream closes, which aborts the request in every stage (`RequestStream`), and nothing more
 is sent to the client from the moment the task is cancelled.
@@ -25,30 +22,35 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 
-from voice_server.audio import PlayoutClock, StreamResampler, float32_to_pcm16, pcm16_to_float32
-from voice_server.engine.requests import InputStream, RequestError, RequestStream, TerminalOutput
-from voice_server.session.conversation import Conversation, Item
+from voice_server.audio import PlayoutClock, StreamResampler, float32_to_pcm16
+from voice_server.engine.requests import RequestError, RequestStream, TerminalOutput
+from voice_server.session.conversation import Conversation, Item, new_id
 from voice_server.session.events import (
     AudioDelta,
     InputTranscriptDelta,
     InputTranscriptDone,
+    SessionError,
     SessionEvent,
     TextDelta,
+    ToolCalled,
 )
+from voice_server.session.tools import ToolCallError, ToolSet
 
 Emit = Callable[[SessionEvent], Awaitable[None]]
 
 
 class ResponseRun:
     def __init__(self, response_id: str, item: Item, output_rate: int, emit: Emit,
-                 user_item_id: str = "", conversation: Conversation | None = None) -> None:
+                 user_item_id: str = "", conversation: Conversation | None = None,
+                 tools: ToolSet | None = None) -> None:
         self.response_id, self.item, self.output_rate, self.emit = response_id, item, output_rate, emit
+        self.tools = tools
+        """What this response may call (from its request params); its calls are checked against it."""
+        self.num_tool_calls = 0
         self.user_item_id = user_item_id
         """The spoken user item this response answers, which a transcribing pipeline transcribes."""
         self.conversation = conversation
@@ -145,6 +147,11 @@ class ResponseRun:
         tail = self._resampler.flush() if self._resampler is not None else None
         if tail is not None and tail.size:
             await self._send_audio(tail)
+        if self.tools is not None:
+            try:
+                self.tools.check_done(self.num_tool_calls)
+            except ToolCallError as exc:
+                await self.emit(SessionError(exc.code, str(exc)))
         return ""
 
     def _keep_transcript(self, payload: dict[str, Any]) -> None:
@@ -177,6 +184,9 @@ class ResponseRun:
         if output.is_final:
             self._count_tokens(output.payload)
             return
+        calls = output.payload.get("tool_calls")
+        if isinstance(calls, list) and self.tools is not None:
+            await self._on_tool_calls(self.tools, calls)
         text = output.payload.get("text")
         if isinstance(text, str) and text:
             if "num_prompt_tokens" not in self.usage:
@@ -188,6 +198,21 @@ class ResponseRun:
             rate = int(output.payload.get("sample_rate", self.output_rate))
             samples = np.asarray(pcm, dtype=np.float32).reshape(-1)
             await self._send_audio(self._resample(samples, rate))
+
+    async def _on_tool_calls(self, tools: ToolSet, calls: list[Any]) -> None:
+        """The thinker's raw calls (cut out of the spoken text): each checked, then a `function_call` item
+        and `ToolCalled`, or a `SessionError` naming what failed (nothing of it was spoken either way)."""
+        for raw in calls:
+            try:
+                call = tools.check(raw if isinstance(raw, str) else "", new_id("call"))
+            except ToolCallError as exc:
+                await self.emit(SessionError(exc.code, str(exc)))
+                continue
+            self.num_tool_calls += 1
+            item = Item(new_id("item"), "assistant", kind="function_call", call=call)
+            if self.conversation is not None:
+                self.conversation.add(item)
+            await self.emit(ToolCalled(self.response_id, item.item_id, call))
 
     async def _on_transcript(self, payload: dict[str, Any], arrived_at: float) -> None:
         partial, final = payload.get("input_transcript_partial"), payload.get("input_transcript")
@@ -246,35 +271,3 @@ def _is_partial_only(output: TerminalOutput) -> bool:
     payload = output.payload
     return (not output.is_final and "input_transcript_partial" in payload
             and not any(key in payload for key in ("input_transcript", "text", "pcm")))
-
-
-@dataclass
-class OpenTurn:
-    """A spoken turn whose request is open while the user speaks (`stream_input` pipelines)."""
-
-    run: ResponseRun
-    input: InputStream
-    """The request's input: `send(payload)`, `end()`."""
-    task: asyncio.Task[None]
-    resampler: StreamResampler | None
-    """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
-
-    @property
-    def is_speculating(self) -> bool:
-        """The input ended at a pause (`ResponseRun.speculate`); the turn is not committed yet."""
-        return self.input.is_ended
-
-    @property
-    def is_awaiting_transcript(self) -> bool:
-        """Speculating, and the pause's final transcript (`ResponseRun.held_transcript`) not in yet."""
-        return self.is_speculating and self.run.held_transcript is None
-
-    def send(self, pcm16: npt.NDArray[np.int16]) -> None:
-        """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
-        if self.input.is_ended:
-            return  # NOTE: speculating: the pause's silence is not the request's; speech resuming reopens it
-        # NOTE: at 16 kHz already, the asr stage takes the int16 as it is, with no conversion either way.
-        resampler = self.resampler
-        audio = pcm16 if resampler is None else float32_to_pcm16(resampler.process(pcm16_to_float32(pcm16)))
-        if audio.size:
-            self.input.send({"audio": audio})

@@ -37,6 +37,7 @@ from voice_server.session.events import (
 )
 from voice_server.session.interruptions import Interruption
 from voice_server.session.response import Emit, ResponseRun
+from voice_server.session.tools import ToolSet
 
 __all__ = ["REPORT_GAP_S", "Responses"]
 
@@ -88,13 +89,13 @@ class Responses:
         payload = {"messages": self.conversation.to_messages(
             self.config.instructions if instructions is None else instructions)}
         # NOTE: the new item is in the conversation (it is the reply) but not in the payload: empty.
+        merged = {**dict(self.config.params), **(params or {})}
         run = ResponseRun(response_id, item, self.config.output_rate, self.emit,
-                          self.conversation.last_untranscribed_id(), self.conversation)
+                          self.conversation.last_untranscribed_id(), self.conversation, ToolSet.from_params(merged))
         run.speech_end_at, self._speech_end_at = self._speech_end_at, None
         self._run, self.played_ms, self.played_at = run, None, None
         await self.emit(ResponseStarted(response_id, item.item_id))
-        self._response = asyncio.create_task(self._respond(run, payload, {**dict(self.config.params),
-                                                                            **(params or {})}))
+        self._response = asyncio.create_task(self._respond(run, payload, merged))
         return response_id
 
     async def _respond(self, run: ResponseRun, payload: dict[str, Any], params: dict[str, Any]) -> None:

@@ -16,25 +16,59 @@ resumes drops the request (aborted in every stage) and opens the turn again with
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler
-from voice_server.engine.requests import RequestError
+from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_float32
+from voice_server.engine.requests import InputStream, RequestError
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
 from voice_server.session.events import ResponseStarted, SessionError
 from voice_server.session.input_buffer import InputBuffer
-from voice_server.session.response import Emit, OpenTurn, ResponseRun
+from voice_server.session.response import Emit, ResponseRun
 from voice_server.session.responses import Responses
+from voice_server.session.tools import ToolSet
 
 __all__ = ["MAX_SPECULATIONS_PER_TURN", "StreamedTurns"]
 
 MAX_SPECULATIONS_PER_TURN = 3
 """Pauses of one turn that may start a speculative response (each one resumed costs the pipeline the
 work done for it)."""
+
+
+@dataclass
+class OpenTurn:
+    """A spoken turn whose request is open while the user speaks (`stream_input` pipelines)."""
+
+    run: ResponseRun
+    input: InputStream
+    """The request's input: `send(payload)`, `end()`."""
+    task: asyncio.Task[None]
+    resampler: StreamResampler | None
+    """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
+
+    @property
+    def is_speculating(self) -> bool:
+        """The input ended at a pause (`ResponseRun.speculate`); the turn is not committed yet."""
+        return self.input.is_ended
+
+    @property
+    def is_awaiting_transcript(self) -> bool:
+        """Speculating, and the pause's final transcript (`ResponseRun.held_transcript`) not in yet."""
+        return self.is_speculating and self.run.held_transcript is None
+
+    def send(self, pcm16: npt.NDArray[np.int16]) -> None:
+        """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
+        if self.input.is_ended:
+            return  # NOTE: speculating: the pause's silence is not the request's; speech resuming reopens it
+        # NOTE: at 16 kHz already, the asr stage takes the int16 as it is, with no conversion either way.
+        resampler = self.resampler
+        audio = pcm16 if resampler is None else float32_to_pcm16(resampler.process(pcm16_to_float32(pcm16)))
+        if audio.size:
+            self.input.send({"audio": audio})
 
 
 class StreamedTurns(Responses):
@@ -65,7 +99,8 @@ class StreamedTurns(Responses):
             return
         assert stream.input is not None  # NOTE: a stream_input request always has its input stream
         run = ResponseRun(new_id("resp"), Item(new_id("item"), "assistant", status="in_progress"),
-                          self.config.output_rate, self.emit, item_id, self.conversation)
+                          self.config.output_rate, self.emit, item_id, self.conversation,
+                          ToolSet.from_params(dict(self.config.params)))
         run.partial_sent = partial_sent
         rate = self.config.input_rate
         resampler = None if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE)

@@ -17,11 +17,13 @@ factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 from voice_server.config.errors import fail, quoted, show
 from voice_server.engine.runtime import StageContext
+from voice_server.models.chat_tools import Tool
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.chat import Encode, chat_prompt, tiny_encode
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
@@ -56,6 +58,8 @@ def create_audio_encoder(ctx: StageContext) -> AudioEncoderRunner:
     return AudioEncoderRunner(tower, AudioEncoderRunnerConfig.from_thinker(cfg.thinker, max_seconds), chat)
 
 
-def _chat(messages: Any, cfg: Qwen3OmniConfig, encode: Encode) -> tuple[list[int], list[Any]]:
-    token_ids, clips = chat_prompt(messages, cfg, encode)
+def _chat(
+    messages: Any, cfg: Qwen3OmniConfig, encode: Encode, tools: Sequence[Tool] = ()
+) -> tuple[list[int], list[Any]]:
+    token_ids, clips = chat_prompt(messages, cfg, encode, tools)
     return token_ids, list(clips)

@@ -15,6 +15,8 @@ from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from voice_server.models.chat_tools import Tool, chat_turns
+
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 _LLAMA3_SPLIT = (
@@ -157,20 +159,27 @@ class GGUFTokenizer:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Tool] = (),
     ) -> str:
-        """ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`), as SmolLM2's template renders it."""
+        """ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`), as SmolLM2's template renders it; tools, calls and
+        their results the Hermes way Qwen's templates write them (`models/chat_tools.py`)."""
         if self.chat_template is not None and "<|im_start|>" not in self.chat_template:
             raise ValueError("only ChatML chat templates are supported")
-        parts = []
-        if self.default_system_prompt is not None and messages and messages[0]["role"] != "system":
-            parts.append(f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n")
-        parts += [f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages]
+        turns = chat_turns(messages, tools, self.default_system_prompt)
+        parts = [f"<|im_start|>{turn.role}\n{turn.text}<|im_end|>\n" for turn in turns]
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        tools: Sequence[Tool] = (),
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt))
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools=tools))

@@ -4,6 +4,9 @@ The layout of the model's chat template, written out so it needs no template eng
 
     <|im_start|>{role}\\n[<|audio_start|><|audio_pad|><|audio_end|>]{text}<|im_end|>\\n ... <|im_start|>assistant\\n
 
+with function calling as Qwen3's template writes it (`models/chat_tools.py`: the tools in the system turn, an
+assistant's calls after its text, tool results as one user turn).
+
 The role names are the config's `system`/`user`/`assistant` token ids (single tokens in the released
 vocabulary), so only text and "\\n" need the tokenizer. The audio block has one placeholder; the
 encoder stage expands it to the clip's token count. This is what the session layer's requests
@@ -21,10 +24,12 @@ from typing import Any
 
 import numpy as np
 
+from voice_server.models.chat_tools import TOOL_KEYS, Tool, chat_turns, tool_fields
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 
 Encode = Callable[[str], list[int]]
 MAX_MESSAGES = 512
+_ROLES = ("system", "user", "assistant", "tool")
 
 
 def tiny_encode(text: str) -> list[int]:
@@ -33,36 +38,41 @@ def tiny_encode(text: str) -> list[int]:
 
 
 def chat_prompt(
-    messages: Sequence[Any], cfg: Qwen3OmniConfig, encode: Encode
+    messages: Sequence[Any], cfg: Qwen3OmniConfig, encode: Encode, tools: Sequence[Tool] = ()
 ) -> tuple[list[int], list[np.ndarray]]:
     """(token ids ending with the assistant's turn opening, the audio clips in prompt order).
 
-    Each message: `role` (system/user/assistant), `content` (text, may be ""), optional `audio`
-    (16 kHz mono float32 clip). ValueError naming the field for anything else."""
+    Each message: `role` (system/user/assistant/tool), `content` (text, may be ""), optional `audio`
+    (16 kHz mono float32 clip, user turns only), an assistant's `tool_calls`, a tool result's
+    `tool_call_id`; `tools` (checked, `request_tools`) go into the system turn, calls and results are
+    written as Qwen3's template writes them (`models/chat_tools.py`). ValueError naming the field for
+    anything else."""
     if not isinstance(messages, list | tuple) or not messages or len(messages) > MAX_MESSAGES:
         raise ValueError(f"payload.messages: must be a list of 1 to {MAX_MESSAGES} messages")
     role_ids = {"system": cfg.system_token_id, "user": cfg.user_token_id, "assistant": cfg.assistant_token_id}
+    for i, message in enumerate(messages):
+        where = f"payload.messages[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise ValueError(f"{where}: must be a mapping with a role of {', '.join(_ROLES)}")
+        if not isinstance(message.get("content", ""), str):
+            raise ValueError(f"{where}.content: must be a string")
+        unknown = sorted(str(k) for k in message if k not in ("role", "content", "audio", *TOOL_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
+        if message.get("audio") is not None and message["role"] != "user":
+            raise ValueError(f"{where}.audio: only user turns carry audio")
+        tool_fields(where, message)
     th = cfg.thinker
     newline = encode("\n")
     tokens: list[int] = []
     clips: list[np.ndarray] = []
-    for i, message in enumerate(messages):
-        where = f"payload.messages[{i}]"
-        if not isinstance(message, dict) or message.get("role") not in role_ids:
-            raise ValueError(f"{where}: must be a mapping with a role of {', '.join(role_ids)}")
-        content, audio = message.get("content", ""), message.get("audio")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}.content: must be a string")
-        unknown = sorted(str(k) for k in message if k not in ("role", "content", "audio"))
-        if unknown:
-            raise ValueError(f"{where}: unknown field(s) {', '.join(unknown)}")
-        tokens += [cfg.im_start_token_id, role_ids[message["role"]], *newline]
+    for turn in chat_turns(messages, tools):
+        tokens += [cfg.im_start_token_id, role_ids[turn.role], *newline]
+        audio = None if turn.message is None else messages[turn.message].get("audio")
         if audio is not None:
-            if message["role"] != "user":
-                raise ValueError(f"{where}.audio: only user turns carry audio")
             tokens += [th.audio_start_token_id, th.audio_token_id, th.audio_end_token_id]
             clips.append(audio)
-        tokens += encode(content) if content else []
+        tokens += encode(turn.text) if turn.text else []
         tokens += [cfg.im_end_token_id, *newline]
     tokens += [cfg.im_start_token_id, cfg.assistant_token_id, *newline]
     return tokens, clips

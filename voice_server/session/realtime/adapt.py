@@ -10,7 +10,9 @@ Config mapping (a Realtime ``SessionConfig`` -> the core's):
 - ``instructions``; ``turn_detection``: ``server_vad`` or ``semantic_vad`` -> ``TurnDetectionConfig`` (whose server-side
   bounds are tighter than the protocol's: e.g. ``prefix_padding_ms`` <= 5000; a value past them is
   refused), ``null`` -> manual turns.
-- ``max_output_tokens`` and ``temperature`` -> ``params.sampling`` of every request.
+- ``max_output_tokens`` and ``temperature`` -> ``params.sampling`` of every request; ``tools`` and
+  ``tool_choice`` -> ``params.tools`` / ``params.tool_choice`` (``tool_params``), which the thinker renders
+  into its prompt and each response checks its calls against.
 - ``voice`` and ``speed`` are kept as session metadata (echoed in ``session.updated``) and not sent to
   the pipeline: a pipeline's speaker names are its own (``params.talker.speaker`` for Qwen3-Omni), and
   OpenAI's voice names (``alloy``, ``marin``...) name none of them.
@@ -31,6 +33,7 @@ from voice_server.audio import alaw_decode, alaw_encode, pcm16_from_bytes, pcm16
 from voice_server.session.config import SessionConfig as CoreConfig
 from voice_server.session.realtime.session_config import SessionConfig as RealtimeConfig
 from voice_server.session.realtime.session_fields import AudioFormat
+from voice_server.session.tools import Tool, ToolSet
 from voice_server.session.turn_config import TurnDetectionConfig
 
 MAX_INPUT_PACE = 2.0
@@ -47,9 +50,18 @@ def core_config(session: RealtimeConfig) -> CoreConfig:
         create_response=vad.create_response, interrupt_response=vad.interrupt_response,
         idle_timeout_ms=vad.idle_timeout_ms, type=vad.type, eagerness=vad.eagerness)
     sampling = sampling_params(session.max_output_tokens, session.temperature)
+    params = (("sampling", sampling),) if sampling else ()
+    tools = tool_params(session.tools, session.tool_choice)
     return CoreConfig(input_rate=session.input_format.rate_hz, output_rate=session.output_format.rate_hz,
                       instructions=session.instructions, turn_detection=turns,
-                      params=(("sampling", sampling),) if sampling else ())
+                      params=params + tuple(tools.items()) if session.tools else params)
+
+
+def tool_params(tools: tuple[Tool, ...], choice: str) -> dict[str, Any]:
+    """What a request sends of its tools: none at all for no tools or ``none`` (an empty list, so that a
+    response's ``tool_choice: none`` overrides the session's tools)."""
+    offered = ToolSet.create(tools, choice)
+    return {"tools": []} if offered is None else offered.to_params()
 
 
 def sampling_params(max_output_tokens: int | None, temperature: float | None,

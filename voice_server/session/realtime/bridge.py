@@ -26,7 +26,7 @@ Decisions:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from voice_server.session.conversation import Conversation, Item
@@ -45,8 +45,10 @@ from voice_server.session.events import (
     SpeechStarted,
     SpeechStopped,
     TextDelta,
+    ToolCalled,
 )
 from voice_server.session.realtime import server_events as se
+from voice_server.session.realtime import tool_events as te
 from voice_server.session.realtime.adapt import encode_output
 from voice_server.session.realtime.payloads import ResponseOverrides
 from voice_server.session.realtime.server_events import ResponseUsage
@@ -66,6 +68,8 @@ class ActiveResponse:
     metadata: dict[str, str] | None
     max_output_tokens: int | None
     cancel_reason: str = "turn_detected"
+    calls: list[Event] = field(default_factory=list)
+    """The response's function call items (output index 1, 2, ... after its message), for ``response.done``."""
 
 
 class Bridge:
@@ -91,6 +95,8 @@ class Bridge:
             return self._delta(event)
         if isinstance(event, ResponseDone):
             return self._done(event)
+        if isinstance(event, ToolCalled):
+            return self._tool_called(event)
         if isinstance(event, ItemTruncated):
             return [se.conversation_item_truncated(event.item_id, 0, event.audio_end_ms)]
         if isinstance(event, InputTranscriptDelta):
@@ -117,7 +123,7 @@ class Bridge:
         if item is None:
             return []
         previous = self.previous_item_id(item.item_id)
-        wire = user_item(item)
+        wire = wire_item(item)
         added = [se.conversation_item_added(wire, previous), se.conversation_item_done(wire, previous)]
         if item.audio is None:
             return added
@@ -151,6 +157,23 @@ class Bridge:
             return [se.output_audio_transcript_delta(run.response_id, run.item_id, 0, 0, event.delta)]
         return [se.output_text_delta(run.response_id, run.item_id, 0, 0, event.delta)]
 
+    def _tool_called(self, event: ToolCalled) -> list[Event]:
+        """A checked call: its item is added, its arguments stream whole (they were checked before any of
+        them is sent: fail closed), and it is done; ``response.done`` lists it after the message."""
+        run = self.active
+        if run is None or run.response_id != event.response_id:
+            return []
+        rid, item_id, call = run.response_id, event.item_id, event.call
+        index = 1 + len(run.calls)
+        added = te.function_call_item(item_id, call.call_id, call.name, "", status="in_progress")
+        done = te.function_call_item(item_id, call.call_id, call.name, call.arguments)
+        run.calls.append(done)
+        previous = self.previous_item_id(item_id)
+        return [se.output_item_added(rid, index, added), se.conversation_item_added(added, previous),
+                te.function_call_arguments_delta(rid, item_id, index, call.call_id, call.arguments),
+                te.function_call_arguments_done(rid, item_id, index, call.call_id, call.name, call.arguments),
+                se.output_item_done(rid, index, done), se.conversation_item_done(done, previous)]
+
     def _done(self, event: ResponseDone) -> list[Event]:
         run = self.active
         if run is None or run.response_id != event.response_id:
@@ -175,7 +198,7 @@ class Bridge:
     def _response(self, run: ActiveResponse, status: str, done: ResponseDone | None = None,
                   item: Event | None = None) -> Event:
         return se.response_object(
-            run.response_id, status, output=[] if item is None else [item],
+            run.response_id, status, output=[] if item is None else [item, *run.calls],
             output_modalities=("audio",) if run.is_audio else ("text",),
             reason=run.cancel_reason if status == "cancelled" else None,
             error=None if done is None or status != "failed" else {
@@ -184,8 +207,13 @@ class Bridge:
             max_output_tokens=run.max_output_tokens, timings_ms=None if done is None else done.timings_ms)
 
 
-def user_item(item: Item) -> Event:
-    """The wire form of a user, system or typed assistant item (what `conversation.item.*` carries)."""
+def wire_item(item: Item) -> Event:
+    """The wire form of a client's item: a user, system or typed assistant message, a function call or
+    its output (what `conversation.item.*` carries)."""
+    if item.call is not None:
+        if item.kind == "function_call":
+            return te.function_call_item(item.item_id, item.call.call_id, item.call.name, item.call.arguments)
+        return te.function_call_output_item(item.item_id, item.call.call_id, item.text)
     if item.audio is not None:
         parts = [se.input_audio_part()]
     elif item.role == "assistant":

@@ -37,10 +37,12 @@ from voice_server.session.realtime.errors import (
     require,
 )
 from voice_server.session.realtime.payloads import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
     MessageItem,
     ResponseOverrides,
     parse_id,
-    parse_message_item,
+    parse_item,
     parse_response_overrides,
 )
 from voice_server.session.realtime.session_config import normalize_session_patch
@@ -84,7 +86,7 @@ class InputAudioBufferClear:
 
 @dataclass(frozen=True)
 class ConversationItemCreate:
-    item: MessageItem
+    item: MessageItem | FunctionCallItem | FunctionCallOutputItem
     previous_item_id: str | None = None
     event_id: str | None = None
 
@@ -185,7 +187,7 @@ def _append(obj: Mapping[str, Any], event_id: str | None) -> ClientEvent | Proto
 
 def _item_create(obj: Mapping[str, Any], event_id: str | None) -> ClientEvent:
     previous = obj.get("previous_item_id")
-    return ConversationItemCreate(parse_message_item(require(obj, "item", ""), "item"),
+    return ConversationItemCreate(parse_item(require(obj, "item", ""), "item"),
                                   None if previous is None else parse_id(previous, "previous_item_id"), event_id)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from voice_server.session.conversation import Item, new_id
 from voice_server.session.realtime import events as ce
 from voice_server.session.realtime import server_events as se
-from voice_server.session.realtime.adapt import MAX_INPUT_PACE, core_config, decode_input, sampling_params
+from voice_server.session.realtime.adapt import MAX_INPUT_PACE, core_config, decode_input, sampling_params, tool_params
 from voice_server.session.realtime.errors import (
     ACTIVE_RESPONSE,
     CANCEL_NOT_ACTIVE,
@@ -21,6 +22,9 @@ from voice_server.session.realtime.errors import (
     UNSUPPORTED,
     FieldError,
 )
+from voice_server.session.realtime.payloads import MessageItem
+from voice_server.session.realtime.tool_fields import FunctionCallItem, FunctionCallOutputItem, check_choice
+from voice_server.session.tools import ToolCall
 
 if TYPE_CHECKING:
     from voice_server.session.realtime.endpoint import RealtimeConnection
@@ -79,9 +83,20 @@ async def on_item_create(conn: RealtimeConnection, event: ce.ConversationItemCre
                                           "previous_item_id must be the last item's id.", "previous_item_id")
         return
     try:
-        await conn.session.add_text(event.item.text, event.item.role, event.item.item_id)
+        await conn.session.add_item(session_item(event.item))
     except ValueError:
         await conn.error(INVALID_VALUE, f"An item with id '{event.item.item_id}' exists already.", "item.id")
+
+
+def session_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem) -> Item:
+    """A client's item as the conversation keeps it."""
+    item_id = item.item_id or new_id("item")
+    if isinstance(item, FunctionCallItem):
+        return Item(item_id, "assistant", kind="function_call", call=item.call)
+    if isinstance(item, FunctionCallOutputItem):
+        # NOTE: an output names its call by id only; the call's name and arguments stay on the call's item.
+        return Item(item_id, "tool", item.output, kind="function_call_output", call=ToolCall(item.call_id, "", ""))
+    return Item(item_id, item.role, item.text)
 
 
 async def on_truncate(conn: RealtimeConnection, event: ce.ConversationItemTruncate) -> None:
@@ -137,8 +152,18 @@ async def on_response_create(conn: RealtimeConnection, event: ce.ResponseCreate)
         base.pop("max_tokens", None)
     max_tokens = overrides.max_output_tokens if isinstance(overrides.max_output_tokens, int) else None
     sampling = sampling_params(max_tokens, overrides.temperature, base)
+    params: dict[str, Any] = {"sampling": sampling} if sampling else {}
+    if overrides.tools is not None or overrides.tool_choice is not None:
+        tools = conn.config.tools if overrides.tools is None else overrides.tools
+        choice = overrides.tool_choice or conn.config.tool_choice
+        try:
+            check_choice(choice, tools, "response.tool_choice")
+        except FieldError as exc:
+            await conn.send(exc.to_protocol_error(event.event_id).to_event())
+            return
+        params.update(tool_params(tools, choice))
     conn.bridge.overrides = overrides
-    await conn.session.create_response({"sampling": sampling} if sampling else None, overrides.instructions)
+    await conn.session.create_response(params or None, overrides.instructions)
 
 
 async def on_response_cancel(conn: RealtimeConnection, event: ce.ResponseCancel) -> None:

@@ -1,9 +1,10 @@
 """Payloads of the richer client events: the message of ``conversation.item.create`` and the overrides of
 ``response.create``, with their parsers (which raise FieldError naming the ``param``).
 
-Decisions: only text messages are taken (user/system ``input_text``, assistant ``output_text`` or beta
-``text``); ``input_audio``/``input_image`` parts and non-message items (function calls, MCP) are
-``unsupported``. ``response.create`` accepts ``instructions``, ``output_modalities`` (beta
+Decisions: text messages (user/system ``input_text``, assistant ``output_text`` or beta ``text``) and the
+function-calling items (``function_call``, ``function_call_output``: `tool_fields.py`) are taken;
+``input_audio``/``input_image`` parts and other items (MCP) are ``unsupported``. ``response.create``
+accepts ``instructions``, ``tools``, ``tool_choice``, ``output_modalities`` (beta
 ``modalities``), the voice and output format (GA ``audio.output.*``, beta ``voice`` /
 ``output_audio_format``), ``max_output_tokens`` (beta ``max_response_output_tokens``), ``temperature``,
 ``metadata`` and ``conversation`` (``auto`` or ``none``); a custom ``input`` context is ``unsupported``.
@@ -37,6 +38,15 @@ from voice_server.session.realtime.session_fields import (
     parse_modalities,
     parse_voice,
 )
+from voice_server.session.realtime.tool_fields import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    parse_function_call_item,
+    parse_function_call_output_item,
+    parse_tool_choice,
+    parse_tools,
+)
+from voice_server.session.tools import Tool
 
 Role = Literal["user", "system", "assistant"]
 MAX_ID_CHARS = 64
@@ -73,6 +83,8 @@ class ResponseOverrides:
     max_output_tokens: int | Literal["inf"] | None = None
     temperature: float | None = None
     metadata: Mapping[str, str] | None = None
+    tools: tuple[Tool, ...] | None = None
+    tool_choice: str | None = None
     is_out_of_band: bool = False  # conversation: "none": the response is not added to the conversation
 
 
@@ -80,12 +92,17 @@ _TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": 
 _UNSERVED_PARTS = frozenset({"input_audio", "input_image", "output_audio", "audio"})
 
 
-def parse_message_item(raw: object, path: str) -> MessageItem:
+def parse_item(raw: object, path: str) -> MessageItem | FunctionCallItem | FunctionCallOutputItem:
     item = as_object(raw, path)
     kind = as_str(require(item, "type", path), join(path, "type"))
+    item_id = None if item.get("id") is None else parse_id(item["id"], join(path, "id"))
+    if kind == "function_call":
+        return parse_function_call_item(dict(item), path, item_id)
+    if kind == "function_call_output":
+        return parse_function_call_output_item(dict(item), path, item_id)
     if kind != "message":
-        raise FieldError(UNSUPPORTED, f"Items of type '{kind}' are not supported; only 'message' is.",
-                         join(path, "type"))
+        raise FieldError(UNSUPPORTED, f"Items of type '{kind}' are not supported; only 'message', "
+                                      "'function_call' and 'function_call_output' are.", join(path, "type"))
     check_keys(item, path, {"type", "role", "content", "id", "object", "status"})
     role = as_choice(require(item, "role", path), join(path, "role"), ("user", "system", "assistant"))
     content = require(item, "content", path)
@@ -104,8 +121,7 @@ def parse_message_item(raw: object, path: str) -> MessageItem:
         as_choice(part_type, join(part_path, "type"), _TEXT_PARTS[role])
         check_keys(part, part_path, {"type", "text"})
         texts.append(as_str(require(part, "text", part_path), join(part_path, "text")))
-    item_id = item.get("id")
-    return MessageItem(cast(Role, role), tuple(texts), None if item_id is None else parse_id(item_id, join(path, "id")))
+    return MessageItem(cast(Role, role), tuple(texts), item_id)
 
 
 def parse_response_overrides(raw: object, path: str) -> ResponseOverrides:
@@ -145,6 +161,9 @@ def parse_response_overrides(raw: object, path: str) -> ResponseOverrides:
         temperature=None if spec.get("temperature") is None else as_float(
             spec["temperature"], join(path, "temperature"), minimum=0.0, maximum=2.0),
         metadata=None if spec.get("metadata") is None else _parse_metadata(spec["metadata"], join(path, "metadata")),
+        tools=None if spec.get("tools") is None else parse_tools(spec["tools"], join(path, "tools")),
+        tool_choice=None if spec.get("tool_choice") is None else parse_tool_choice(spec["tool_choice"],
+                                                                                   join(path, "tool_choice")),
         is_out_of_band=conversation == "none",
     )
 

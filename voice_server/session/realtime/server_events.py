@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from voice_server.audio import b64encode
+from voice_server.session.realtime.capabilities import capabilities
 
 if TYPE_CHECKING:
     from voice_server.session.realtime.session_config import SessionConfig
@@ -44,7 +45,7 @@ def new_response_id() -> str:
     return _new_id("resp")
 
 
-def _event(event_type: str, **fields: Any) -> dict[str, Any]:
+def server_event(event_type: str, **fields: Any) -> dict[str, Any]:
     return {"type": event_type, "event_id": new_event_id(), **fields}
 
 
@@ -142,88 +143,90 @@ def response_object(response_id: str, status: str, *, output: Sequence[Mapping[s
 # ---- session and input buffer -------------------------------------------------------------------
 
 def session_created(session: SessionConfig) -> dict[str, Any]:
-    return _event("session.created", session=session.to_ga_dict())
+    return server_event("session.created", session={**session.to_ga_dict(), VENDOR_KEY: capabilities()})
 
 
 def session_updated(session: SessionConfig) -> dict[str, Any]:
-    return _event("session.updated", session=session.to_ga_dict())
+    return server_event("session.updated", session=session.to_ga_dict())
 
 
 def speech_started(audio_start_ms: int, item_id: str) -> dict[str, Any]:
     """``audio_start_ms`` counts from the session's first appended audio and includes the prefix padding."""
-    return _event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id)
+    return server_event("input_audio_buffer.speech_started", audio_start_ms=audio_start_ms, item_id=item_id)
 
 
 def speech_stopped(audio_end_ms: int, item_id: str) -> dict[str, Any]:
-    return _event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
+    return server_event("input_audio_buffer.speech_stopped", audio_end_ms=audio_end_ms, item_id=item_id)
 
 
 def input_audio_committed(item_id: str, previous_item_id: str | None) -> dict[str, Any]:
-    return _event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous_item_id)
+    return server_event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous_item_id)
 
 
 def input_audio_cleared() -> dict[str, Any]:
-    return _event("input_audio_buffer.cleared")
+    return server_event("input_audio_buffer.cleared")
 
 
 def timeout_triggered(audio_start_ms: int, audio_end_ms: int, item_id: str) -> dict[str, Any]:
-    return _event("input_audio_buffer.timeout_triggered", audio_start_ms=audio_start_ms,
+    return server_event("input_audio_buffer.timeout_triggered", audio_start_ms=audio_start_ms,
                   audio_end_ms=audio_end_ms, item_id=item_id)
 
 
 # ---- conversation -------------------------------------------------------------------------------
 
 def input_transcription_delta(item_id: str, delta: str) -> dict[str, Any]:
-    return _event("conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0,
+    return server_event("conversation.item.input_audio_transcription.delta", item_id=item_id, content_index=0,
                   delta=delta)
 
 
 def input_transcription_completed(item_id: str, transcript: str, num_audio_ms: int) -> dict[str, Any]:
     # NOTE: `usage` is required by the GA schema; our recogniser is billed by nothing but time.
-    return _event("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
+    return server_event("conversation.item.input_audio_transcription.completed", item_id=item_id, content_index=0,
                   transcript=transcript, usage={"type": "duration", "seconds": num_audio_ms / 1000.0})
 
 
 def conversation_item_added(item: Mapping[str, Any], previous_item_id: str | None) -> dict[str, Any]:
-    return _event("conversation.item.added", item=dict(item), previous_item_id=previous_item_id)
+    return server_event("conversation.item.added", item=dict(item), previous_item_id=previous_item_id)
 
 
 def conversation_item_done(item: Mapping[str, Any], previous_item_id: str | None) -> dict[str, Any]:
-    return _event("conversation.item.done", item=dict(item), previous_item_id=previous_item_id)
+    return server_event("conversation.item.done", item=dict(item), previous_item_id=previous_item_id)
 
 
 def conversation_item_truncated(item_id: str, content_index: int, audio_end_ms: int) -> dict[str, Any]:
-    return _event("conversation.item.truncated", item_id=item_id, content_index=content_index,
+    return server_event("conversation.item.truncated", item_id=item_id, content_index=content_index,
                   audio_end_ms=audio_end_ms)
 
 
 def conversation_item_deleted(item_id: str) -> dict[str, Any]:
-    return _event("conversation.item.deleted", item_id=item_id)
+    return server_event("conversation.item.deleted", item_id=item_id)
 
 
 # ---- responses ----------------------------------------------------------------------------------
 
 def response_created(response: Mapping[str, Any]) -> dict[str, Any]:
-    return _event("response.created", response=dict(response))
+    return server_event("response.created", response=dict(response))
 
 
 def response_done(response: Mapping[str, Any]) -> dict[str, Any]:
     if response.get("status") == "in_progress":
         raise ValueError("response.done needs a final status, not in_progress")
-    return _event("response.done", response=dict(response))
+    return server_event("response.done", response=dict(response))
 
 
 def output_item_added(response_id: str, output_index: int, item: Mapping[str, Any]) -> dict[str, Any]:
-    return _event("response.output_item.added", response_id=response_id, output_index=output_index, item=dict(item))
+    return server_event("response.output_item.added", response_id=response_id, output_index=output_index,
+                        item=dict(item))
 
 
 def output_item_done(response_id: str, output_index: int, item: Mapping[str, Any]) -> dict[str, Any]:
-    return _event("response.output_item.done", response_id=response_id, output_index=output_index, item=dict(item))
+    return server_event("response.output_item.done", response_id=response_id, output_index=output_index,
+                        item=dict(item))
 
 
 def _part_event(event_type: str, response_id: str, item_id: str, output_index: int, content_index: int,
                 **fields: Any) -> dict[str, Any]:
-    return _event(event_type, response_id=response_id, item_id=item_id, output_index=output_index,
+    return server_event(event_type, response_id=response_id, item_id=item_id, output_index=output_index,
                   content_index=content_index, **fields)
 
 
@@ -275,5 +278,6 @@ def output_text_done(response_id: str, item_id: str, output_index: int, content_
 def error_event(code: str, message: str, *, param: str | None = None, client_event_id: str | None = None,
                 error_type: str = "invalid_request_error") -> dict[str, Any]:
     """OpenAI's ``error`` event; ``error.event_id`` names the client event at fault, if any."""
-    return _event("error", error={"type": error_type, "code": code, "message": message, "param": param,
+    return server_event("error", error={"type": error_type, "code": code, "message": message, "param": param,
                                   "event_id": client_event_id})
+

@@ -19,12 +19,14 @@ When both forms of a field come in one update the GA one wins.
 
 Decisions:
 
-- ``semantic_vad`` is refused (``unsupported``) rather than run as ``server_vad``: its ``eagerness``
-  promises waits we would not honour.
+- ``semantic_vad`` runs the pipeline's end-of-turn model with its ``eagerness``
+  (``voice_server/session/semantic_vad.py``).
 - ``temperature`` (beta only, gone from GA) is kept for the sampler but not echoed by ``to_ga_dict``.
-- Tools and prompt templates are not served: ``tools`` must be empty and ``prompt`` null.
-- ``tool_choice``, ``model``, ``tracing``, ``truncation``, ``include``, ``reasoning`` and the read-only
-  fields a client may echo back from ``session.created`` are accepted and ignored.
+- ``tools`` (``function`` tools) and ``tool_choice`` are served (`tool_fields.py`); prompt templates are not:
+  ``prompt`` must be null.
+- ``parallel_tool_calls`` (a response may make several calls either way), ``model``, ``tracing``,
+  ``truncation``, ``include``, ``reasoning`` and the read-only fields a client may echo back from
+  ``session.created`` are accepted and ignored.
 - ``session.type`` may be left out (beta clients never send it); when present it must be ``realtime``.
 """
 
@@ -60,13 +62,21 @@ from voice_server.session.realtime.session_fields import (
     parse_turn_detection,
     parse_voice,
 )
+from voice_server.session.realtime.tool_fields import (
+    check_choice,
+    parse_tool_choice,
+    parse_tools,
+    tool_choice_to_ga,
+    tool_to_ga,
+)
+from voice_server.session.tools import Tool
 
 DEFAULT_VOICE = "alloy"
 
-_IGNORED_KEYS = frozenset({"model", "tool_choice", "tracing", "truncation", "include", "parallel_tool_calls",
+_IGNORED_KEYS = frozenset({"model", "tracing", "truncation", "include", "parallel_tool_calls",
                            "object", "id", "expires_at", "client_secret", "reasoning"})
 _GA_KEYS = frozenset({"type", "output_modalities", "instructions", "audio", "max_output_tokens", "temperature",
-                      "tools", "prompt"})
+                      "tools", "tool_choice", "prompt"})
 _BETA_KEYS = {"modalities": ("output_modalities",), "input_audio_format": ("audio", "input", "format"),
               "output_audio_format": ("audio", "output", "format"),
               "turn_detection": ("audio", "input", "turn_detection"),
@@ -93,6 +103,9 @@ class SessionConfig:
     speed: float = 1.0
     max_output_tokens: int | None = None  # None is "inf"
     temperature: float | None = None
+    tools: tuple[Tool, ...] = ()
+    tool_choice: str = "auto"
+    """`auto`, `none`, `required` or the name of one of `tools`."""
 
     def __post_init__(self) -> None:
         if len(self.output_modalities) != 1 or self.output_modalities[0] not in MODALITIES:
@@ -127,7 +140,7 @@ class SessionConfig:
                           "noise_reduction": _plain(self.noise_reduction)},
                 "output": {"format": self.output_format.to_ga_dict(), "voice": self.voice, "speed": self.speed},
             },
-            "tools": [], "tool_choice": "auto",
+            "tools": [tool_to_ga(tool) for tool in self.tools], "tool_choice": tool_choice_to_ga(self.tool_choice),
             "max_output_tokens": "inf" if self.max_output_tokens is None else self.max_output_tokens,
         }
 
@@ -145,6 +158,9 @@ class SessionConfig:
         audio_in = as_object(audio.get("input", {}), join(path, "audio.input"))
         audio_out = as_object(audio.get("output", {}), join(path, "audio.output"))
         modalities = session.get("output_modalities", ["audio"])
+        tools = parse_tools(session.get("tools", []), join(path, "tools"))
+        tool_choice = parse_tool_choice(session.get("tool_choice", "auto"), join(path, "tool_choice"))
+        check_choice(tool_choice, tools, join(path, "tool_choice"))
         return SessionConfig(
             output_modalities=parse_modalities(modalities, join(path, "output_modalities")),
             instructions=as_str(session.get("instructions", ""), join(path, "instructions")),
@@ -161,6 +177,7 @@ class SessionConfig:
                                                       join(path, "max_output_tokens")),
             temperature=None if session.get("temperature") is None else as_float(
                 session["temperature"], join(path, "temperature"), minimum=0.0, maximum=2.0),
+            tools=tools, tool_choice=tool_choice,
         )
 
 
@@ -186,8 +203,8 @@ def normalize_session_patch(raw: object, path: str = "session") -> dict[str, Any
         if key in session:
             # NOTE: beta values are checked under their own name, so the error's param is what the client sent.
             _set_path(patch, target, _BETA_CHECKS[key](session[key], join(path, key)))
-    ga = {k: session[k] for k in ("output_modalities", "instructions", "audio", "max_output_tokens", "temperature")
-          if k in session}
+    ga = {k: session[k] for k in ("output_modalities", "instructions", "audio", "max_output_tokens", "temperature",
+                                  "tools", "tool_choice") if k in session}
     if "audio" in ga:
         ga["audio"] = _canonical_audio(ga["audio"], join(path, "audio"))
     patch = merge_patch(patch, ga)

@@ -185,11 +185,6 @@ def parse_beta_format(raw: object, path: str) -> AudioFormat:
 
 
 def check_unserved(obj: Mapping[str, Any], path: str) -> None:
-    """Refuse non-empty ``tools`` and a ``prompt`` template: accepting them silently would change nothing."""
-    tools = obj.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise invalid_type(join(path, "tools"), "an array", tools)
-    if tools:
-        raise FieldError(UNSUPPORTED, "Tools (function calling) are not supported by this server.", join(path, "tools"))
+    """Refuse a ``prompt`` template: accepting it silently would change nothing."""
     if obj.get("prompt") is not None:
         raise FieldError(UNSUPPORTED, "Prompt templates are not supported by this server.", join(path, "prompt"))

@@ -6,6 +6,8 @@ decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), se
 
 - Settings: `app.state.twilio` (`TwilioSettings`, in `settings`; absent: the defaults, no auth). With a
   `token`, `start` must carry it in `customParameters` (`is_authorized`), else the socket closes with 1008.
+- Greeting: with `settings.greeting` (or `customParameters` `greeting`) the agent speaks first, a response
+  made at `start` with those instructions added.
 - Instructions: `settings.instructions`, unless `start.customParameters` has `instructions`: the TwiML
   that opens the stream is written by our own HTTP handler, so it may pick the prompt per call (e.g. per
   dialled number). NOTE: without a token anyone may connect and set it; it is only a prompt.
@@ -118,12 +120,18 @@ class TwilioConnection:
             return
         try:
             config = self.settings.session_config(start, coordinator.cfg.turn_detection)
+            greeting = self.settings.greeting_of(start)
         except ValueError as exc:
             await self._close(CLOSE_POLICY_VIOLATION, str(exc))
             return
         log.info("twilio stream %s: call %s started", start.stream_sid, start.call_sid)
         self.session = Session(coordinator, config, self.emit)
         try:
+            if greeting:
+                # NOTE: the agent speaks first: a response on the empty conversation, with the call's
+                # instructions and then the greeting's.
+                await self.session.create_response(instructions="\n\n".join(filter(None, (
+                    config.instructions, greeting))))
             await self._receive_loop(self.session)
         finally:
             # NOTE: nothing more is sent once the call is over (not even the aborted reply's tail).

@@ -17,9 +17,11 @@ from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
 from voice_server.session.twilio.messages import TwilioDtmf, TwilioStart
 
-__all__ = ["INSTRUCTIONS_PARAMETER", "CallListener", "TwilioSettings"]
+__all__ = ["GREETING_PARAMETER", "INSTRUCTIONS_PARAMETER", "CallListener", "TwilioSettings"]
 
 INSTRUCTIONS_PARAMETER = "instructions"
+GREETING_PARAMETER = "greeting"
+MAX_GREETING_CHARS = 2000
 
 CallListener = Callable[[TwilioStart, "SessionEvent | TwilioDtmf"], None]
 """Called on the server's loop with each session event and key press of a call; must not block."""
@@ -30,6 +32,10 @@ class TwilioSettings:
     token: str | None = None
     """None: no authentication (any client that speaks the protocol gets a session)."""
     instructions: str = ""
+    greeting: str = ""
+    """What the agent opens the call with: the instructions of a response made at `start`, before the caller
+    says anything (e.g. "Greet the caller as Acme's assistant and ask how you can help."); "" waits for
+    the caller. `start.customParameters` `greeting` overrides it per call."""
     turn_detection: TurnDetectionConfig | None = None
     """None: the pipeline's default (`PipelineConfig.turn_detection`); a call has no manual turns."""
     params: tuple[tuple[str, Any], ...] = ()
@@ -39,6 +45,11 @@ class TwilioSettings:
     def __post_init__(self) -> None:
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ValueError("twilio token: must be a non-empty string or None")
+        check_greeting(self.greeting)
+
+    def greeting_of(self, start: TwilioStart) -> str:
+        """The call's greeting instructions ("" for none); ValueError for one that is not a short string."""
+        return check_greeting(start.custom_parameters.get(GREETING_PARAMETER, self.greeting))
 
     def session_config(self, start: TwilioStart, default_type: str = "server_vad") -> SessionConfig:
         """The call's session config; ValueError for instructions `SessionConfig` refuses."""
@@ -46,3 +57,9 @@ class TwilioSettings:
         turns = self.turn_detection or TurnDetectionConfig(type=default_type)
         return SessionConfig(input_rate=TWILIO_SAMPLE_RATE, output_rate=TWILIO_SAMPLE_RATE, instructions=instructions,
                              turn_detection=turns, params=self.params)
+
+
+def check_greeting(greeting: Any) -> str:
+    if not isinstance(greeting, str) or len(greeting) > MAX_GREETING_CHARS:
+        raise ValueError(f"greeting: must be a string of at most {MAX_GREETING_CHARS} characters")
+    return greeting

@@ -1,0 +1,35 @@
+"""What this server does with each part of the Realtime protocol, told to the client in ``session.created``
+(under the vendor key) so it need not find out by trial: ``served`` acts as OpenAI documents, ``ignored`` is
+accepted and echoed but changes nothing, ``refused`` answers an ``unsupported`` error.
+
+One place for the claim, beside the parsers that make it true (`session_config.py`, `payloads.py`,
+`tool_fields.py`): a change to what they take changes this list in the same commit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SERVED = (
+    "session.output_modalities", "session.instructions", "session.audio.input.format",
+    "session.audio.input.turn_detection (server_vad, semantic_vad)", "session.audio.output.format",
+    "session.max_output_tokens", "session.temperature (beta)", "session.tools (function)", "session.tool_choice",
+    "conversation.item.create (message with input_text/output_text, function_call, function_call_output)",
+    "conversation.item.truncate", "conversation.item.delete", "input_audio_buffer.*",
+    "response.create (instructions, tools, tool_choice, output_modalities, max_output_tokens, temperature, "
+    "metadata)", "response.cancel",
+)
+IGNORED = (
+    "session.audio.input.transcription", "session.audio.input.noise_reduction", "session.audio.output.voice",
+    "session.audio.output.speed", "session.parallel_tool_calls", "session.model", "session.tracing",
+    "session.truncation", "session.include", "session.reasoning",
+)
+REFUSED = (
+    "session.prompt", "session.type transcription", "tools of type mcp",
+    "conversation.item.create input_audio/input_image parts", "response.create input (a custom context)",
+    "response.create conversation none (out of band)", "a response output format other than the session's",
+)
+
+
+def capabilities() -> dict[str, Any]:
+    return {"served": list(SERVED), "ignored": list(IGNORED), "refused": list(REFUSED)}
