@@ -76,7 +76,7 @@ def test_response_create_ga_overrides() -> None:
         "audio": {"output": {"voice": "marin", "format": {"type": "audio/pcmu"}}}}})
     assert event == ResponseCreate(ResponseOverrides(
         instructions="Be brief.", output_modalities=("text",), voice="marin", output_format=AudioFormat("audio/pcmu"),
-        max_output_tokens=200, metadata={"topic": "greeting"}, is_out_of_band=True), "r")
+        max_output_tokens=200, metadata={"topic": "greeting"}, tools=(), tool_choice="auto", is_out_of_band=True), "r")
 
 
 def test_response_create_beta_overrides() -> None:
@@ -136,8 +136,11 @@ BAD_EVENTS: list[tuple[str | bytes, str, str | None, str | None]] = [
     ('{"type": "conversation.item.delete", "item_id": ""}', "invalid_value", "item_id", None),
     ('{"type": "conversation.item.delete", "item_id": null}', "invalid_type", "item_id", None),
     ('{"type": "response.cancel", "response_id": 3}', "invalid_type", "response_id", None),
-    ('{"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}', "unsupported",
-     "item.type", None),
+    ('{"type": "conversation.item.create", "item": {"type": "function_call", "name": "f"}}',
+     "missing_required_parameter", "item.call_id", None),
+    ('{"type": "conversation.item.create", "item": {"type": "function_call", "name": "f", "call_id": "c", '
+     '"arguments": "[1]"}}', "invalid_value", "item.arguments", None),
+    ('{"type": "conversation.item.create", "item": {"type": "mcp_call"}}', "unsupported", "item.type", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "tool", "content": []}}',
      "invalid_value", "item.role", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}}',
@@ -154,8 +157,10 @@ BAD_EVENTS: list[tuple[str | bytes, str, str | None, str | None]] = [
     ('{"type": "response.create", "response": {"conversation": "conv_1"}}', "unsupported", "response.conversation",
      None),
     ('{"type": "response.create", "response": {"input": []}}', "unsupported", "response.input", None),
-    ('{"type": "response.create", "response": {"tools": [{"type": "function", "name": "f"}]}}', "unsupported",
-     "response.tools", None),
+    ('{"type": "response.create", "response": {"tools": [{"type": "mcp", "server_label": "x"}]}}', "unsupported",
+     "response.tools[0].type", None),
+    ('{"type": "response.create", "response": {"tool_choice": "sometimes"}}', "invalid_value",
+     "response.tool_choice", None),
     ('{"type": "response.create", "response": {"output_modalities": ["video"]}}', "invalid_value",
      "response.output_modalities[0]", None),
     ('{"type": "response.create", "response": {"max_output_tokens": 0}}', "invalid_value",
@@ -194,8 +199,10 @@ BAD_EVENTS: list[tuple[str | bytes, str, str | None, str | None]] = [
      "session.output_modalities", None),
     ('{"type": "session.update", "session": {"type": "transcription"}}', "unsupported", "session.type", None),
     ('{"type": "session.update", "session": {"type": "realtime2"}}', "invalid_value", "session.type", None),
-    ('{"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}', "unsupported",
-     "session.tools", None),
+    ('{"type": "session.update", "session": {"tools": [{"type": "mcp", "server_label": "x"}]}}', "unsupported",
+     "session.tools[0].type", None),
+    ('{"type": "session.update", "session": {"tools": [{"type": "function", "name": "f", "parameters": '
+     '{"type": "objekt"}}]}}', "invalid_value", "session.tools[0].parameters", None),
     ('{"type": "session.update", "session": {"max_output_tokens": 5000}}', "invalid_value",
      "session.max_output_tokens", None),
     ('{"type": "session.update", "session": {"max_response_output_tokens": "lots"}}', "invalid_value",
