@@ -113,7 +113,7 @@ def main() -> None:
             outcome = "wrong tool" if expected != "-" else "call where none fits"
         tally[outcome] += 1
         rows.append({"request": text, "expected": expected, "called": ", ".join(named) or "-",
-                     "spoken": result["text"].strip()[:60]})
+                     "spoken": " ".join(result["text"].split())[:60]})
     print(f"# {Path(args.config).name} stage {args.stage}, {len(REQUESTS)} requests in {elapsed:.1f} s")
     print(f"# {cpu_description()}")
     print(format_table(rows))
