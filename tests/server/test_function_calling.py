@@ -17,7 +17,7 @@ from typing import Any
 
 import openai
 import pytest
-from realtime_client import text_item
+from realtime_client import SERVER_EVENTS, text_item
 from session_server import SessionServer, serve
 from talker_checks import talker_pipeline
 from websockets.exceptions import ConnectionClosed
@@ -57,6 +57,9 @@ async def until_done(conn: Any) -> list[Any]:
     events: list[Any] = []
     async with asyncio.timeout(60):
         async for event in conn:
+            # NOTE: the SDK builds its models without validating; every event must also validate strictly.
+            wire = event.to_dict()
+            assert SERVER_EVENTS.validate_python(wire).type == event.type, wire
             events.append(event)
             is_refused = event.type == "error" and not any(e.type == "response.created" for e in events)
             if event.type == "response.done" or is_refused:
