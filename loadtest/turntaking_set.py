@@ -196,8 +196,9 @@ def _texts(category: str) -> tuple[str, ...]:
             "prompt": PROMPT}[category]
 
 
-def make_items(category: str, num_items: int, seed: int = 0, tts: Any = None) -> list[Item]:
-    """`num_items` items of `category` (texts and conditions cycled; the same `seed`, the same items)."""
+def make_items(category: str, num_items: int, seed: int = 0, tts: Any = None,
+               conditions: tuple[tuple[float, float, float | None], ...] = CONDITIONS) -> list[Item]:
+    """`num_items` items of `category` (texts and `conditions` cycled; the same `seed`, the same items)."""
     items = []
     for i in range(num_items):
         rng = _rng(seed, category, i)
@@ -214,7 +215,7 @@ def make_items(category: str, num_items: int, seed: int = 0, tts: Any = None) ->
         texts = _texts(category)
         text = texts[i % len(texts)]
         # NOTE: a prompt is spoken plainly: it only has to be understood, its answer is what matters.
-        speed, level, snr = (1.0, -20.0, None) if category == "prompt" else CONDITIONS[(i + seed) % len(CONDITIONS)]
+        speed, level, snr = (1.0, -20.0, None) if category == "prompt" else conditions[(i + seed) % len(conditions)]
         voice = _voice(tts, text, speed, seed * 1000 + i)
         pause = None
         if category == "hesitation":

@@ -7,17 +7,35 @@
   frames a request asks for, so a test can decode them whole and compare. `bad_chunk` makes one
   chunk's codes out of range (admission must refuse that request alone); `chunk_delay_ms` spaces
   the chunks.
+- `create_scripted_thinker`: the Qwen3-Omni thinker stage whose picks are a request's `params.script` (reply
+  token ids, its EOS last): the step runs as ever (forward, detokenizer, talker feed) with the logits pinned
+  to the script, so a test chooses the reply (e.g. a tool call) that random weights never write. Its
+  checkpoint folder needs the toy `tokenizer.json` of `write_toy_tokenizer` (the tiny vocabulary has none;
+  no Qwen tokenizer is installed), which spells `REPLY_TEXT` and Qwen's tool-call tags as single tokens.
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+from tokenizers import AddedToken, Tokenizer
+from tokenizers.models import WordLevel
 
 from voice_server.engine.runtime import StageContext
-from voice_server.models.qwen3_omni.presets import TINY_CODEBOOK, TINY_NUM_CODE_GROUPS
-from voice_server.scheduling import Emit, EmitKind, Runner, SimpleBatch, SimpleResult
+from voice_server.models.llama.tokenizer import bytes_to_unicode
+from voice_server.models.paged import AttentionContext
+from voice_server.models.qwen3_omni.presets import TINY_CODEBOOK, TINY_IDS, TINY_NUM_CODE_GROUPS, TINY_TEXT_VOCAB
+from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.runners.ar_config import DecoderRunnerConfig
+from voice_server.runners.thinker_runner import ThinkerRunner
+from voice_server.scheduling import Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkItem, WorkKind
+from voice_server.scheduling.contract import ARSeq
+from voice_server.scheduling.tool_calls import CLOSE_TAG, OPEN_TAG
+from voice_server.stages.llm import load_hf_tokenizer
+from voice_server.stages.omni_parts import read_omni_args
 
 
 class Recorder(Runner[SimpleBatch, SimpleResult]):
@@ -62,3 +80,68 @@ class CodeStreamer(Runner[SimpleBatch, SimpleResult]):
 
 def create_code_streamer(ctx: StageContext) -> CodeStreamer:
     return CodeStreamer()
+
+
+# -- a thinker that writes a given reply ------------------------------------------------------------------
+
+REPLY_TEXT: dict[int, str] = {
+    10: "\n", 40: "Hi", 41: ".", 42: '{"name":', 43: ' "get_time",', 44: ' "arguments":', 45: " {}}",
+}
+"""Ids of the tiny thinker vocabulary with text in the toy tokenizer (10 is "\n" there too, `presets.py`)."""
+TOOL_OPEN, TOOL_CLOSE = 150, 151
+"""`<tool_call>` and `</tool_call>`: single added tokens, not special (they decode to text), as in Qwen's vocabulary."""
+
+
+def write_toy_tokenizer(directory: Path) -> None:
+    """`directory/tokenizer.json` over the tiny thinker vocabulary: `REPLY_TEXT` spelled byte-level (as Qwen's
+    tokens are), the chat specials of `TINY_IDS` special (they decode to nothing), the tool tags, and a filler
+    word for every other id."""
+    spell = bytes_to_unicode()
+    names = {i: f"w{i}" for i in range(TINY_TEXT_VOCAB)}
+    names.update({i: "".join(spell[b] for b in text.encode()) for i, text in REPLY_TEXT.items()})
+    specials = {i: f"<|{name}|>" for name, i in TINY_IDS.items()}
+    names.update({**specials, TOOL_OPEN: OPEN_TAG, TOOL_CLOSE: CLOSE_TAG})
+    tokenizer = Tokenizer(WordLevel({name: i for i, name in names.items()}, unk_token="w0"))
+    # NOTE: tokens already in the vocabulary keep their ids; added, they decode as added tokens do.
+    tokenizer.add_special_tokens([AddedToken(name, special=True) for name in specials.values()])
+    tokenizer.add_tokens([AddedToken(OPEN_TAG, special=False), AddedToken(CLOSE_TAG, special=False)])
+    tokenizer.save(str(directory / "tokenizer.json"))
+
+
+class ScriptedThinker(ThinkerRunner):
+    """Picks reply token k of a request from its `params.script`: every other logit of its sampling row is -inf."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scripts: dict[str, list[int]] = {}
+
+    def admit(self, item: WorkItem) -> WorkItem:
+        if item.kind is WorkKind.NEW:
+            self.scripts[item.request_id] = list(item.params["script"])
+        return super().admit(item)
+
+    def release(self, request_id: str) -> None:
+        super().release(request_id)
+        self.scripts.pop(request_id, None)
+
+    def _forward(self, seqs: tuple[ARSeq, ...], ids: list[int], positions: torch.Tensor, ctx: AttentionContext,
+                 logits_rows: list[int]) -> torch.Tensor:
+        logits = super()._forward(seqs, ids, positions, ctx, logits_rows)
+        for row, seq in enumerate(s for s in seqs if s.is_sampling):
+            # NOTE: a sampling row ends the known tokens: the reply tokens before it are the ones sampled so far.
+            k = seq.start_pos + len(seq.token_ids) - len(self.prompts[seq.request_id].token_ids)
+            logits[row] = -torch.inf
+            logits[row, self.scripts[seq.request_id][k]] = 0.0
+        return logits
+
+
+def create_scripted_thinker(ctx: StageContext) -> ScriptedThinker:
+    """factory_args: `checkpoint` (with `write_toy_tokenizer`'s tokenizer) and `num_threads`; the stage streams to
+    the talker."""
+    args = read_omni_args(ctx)
+    assert args.checkpoint is not None
+    model = args.load("thinker")
+    assert isinstance(model, ThinkerModel)
+    config = DecoderRunnerConfig(ctx.memory_budget_bytes(), max_step_tokens=ctx.stage.max_step_tokens,
+                                 max_num_seqs=ctx.stage.max_batch_size)
+    return ScriptedThinker(model, args.cfg, config, feeds_talker=True, tokenizer=load_hf_tokenizer(args.checkpoint))

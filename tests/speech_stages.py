@@ -4,7 +4,9 @@ Input: the session layer's request `{"messages": [{"role", "content", "audio"?}]
 one word of text and `AUDIO_MS` of a tone as `{"text", "pcm", "sample_rate"}`, like a thinker and a
 vocoder would, paced by `step_delay_ms` so a barge-in lands mid-response. The first word reports
 what the request saw, so tests can check the history: `m<num_messages>a<num_audio_turns>`, then
-`p<words of the last assistant message>` (what the previous reply kept after a truncation).
+`p<words of the last assistant message>` (what the previous reply kept after a truncation), then, where the
+request's params name a talker speaker (a pipeline's voice: `params.talker.speaker`), `s<speaker>`; last,
+`l<RMS level of the last spoken turn's audio, whole dBFS>` (`lnone` without one: what noise reduction left).
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ class FakeSpeechRunner(Runner[ARBatch, ARResult]):
             raise AdmissionError("payload.messages: must be a non-empty list")
         num_audio = sum(1 for m in messages if m.get("audio") is not None)
         last_reply = next((m["content"] for m in reversed(messages) if m.get("role") == "assistant"), "")
-        self.first_words[item.request_id] = [f"m{len(messages)}a{num_audio}", f"p{len(last_reply.split())}"]
+        words = [f"m{len(messages)}a{num_audio}", f"p{len(last_reply.split())}"]
+        talker = item.params.get("talker")
+        if isinstance(talker, dict) and "speaker" in talker:
+            words.append(f"s{talker['speaker']}")
+        words.append(f"l{level_db(next((m['audio'] for m in reversed(messages) if m.get('audio') is not None), None))}")
+        self.first_words[item.request_id] = words
         return WorkItem(item.request_id, item.kind, {"token_ids": [1, 2, 3]}, item.params, item.seq)
 
     def release(self, request_id: str) -> None:
@@ -56,6 +63,13 @@ class FakeSpeechRunner(Runner[ARBatch, ARResult]):
             word = words[index] if index < len(words) else f"w{index}"
             outputs.append(SeqOutput(10 + index % VOCAB, f" {word}", {"pcm": tone(index), "sample_rate": SAMPLE_RATE}))
         return ARResult(tuple(outputs))
+
+
+def level_db(audio: Any) -> str:
+    """A turn's RMS level in whole dBFS (`none` for no audio)."""
+    if audio is None or not np.size(audio):
+        return "none"
+    return str(round(float(10 * np.log10(np.mean(np.square(np.asarray(audio, np.float64))) + 1e-12))))
 
 
 def tone(index: int) -> np.ndarray:

@@ -28,7 +28,8 @@ VADS = st.one_of(shaped(VAD_FIELDS, WORDS, {"type": st.sampled_from(["server_vad
 STARTS = st.one_of(
     st.fixed_dictionaries({"type": st.just("session.start")}, optional={
         "input_rate": NUMBERS, "output_rate": NUMBERS, "instructions": scalars(WORDS),
-        "turn_detection": st.one_of(st.none(), VADS), "params": json_values(WORDS)}),
+        "turn_detection": st.one_of(st.none(), VADS), "params": json_values(WORDS),
+        "noise_reduction": st.one_of(st.sampled_from([None, "near_field", "far_field"]), json_values(WORDS))}),
     objects(WORDS, {"type": st.just("session.start")}), json_values(WORDS))
 
 

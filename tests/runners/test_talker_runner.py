@@ -12,47 +12,19 @@ from typing import Any
 
 import pytest
 import torch
+from talker_streams import CFG, models, thinker_chunks
 
-from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
-from voice_server.models.qwen3_omni.loading import load_part
-from voice_server.models.qwen3_omni.presets import tiny_config_dict, tiny_prompt_ids
+from voice_server.models.qwen3_omni.presets import tiny_prompt_ids
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.turn import ThinkerTurn, generate_frames, run_greedy_thinker, turn_token_ids
-from voice_server.runners.feed_chunk import TALKER_FEED_KEY
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
 from voice_server.scheduling import ARScheduler, Emit, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import ARSeq
 
 torch.set_num_threads(1)
-CFG = Qwen3OmniConfig.from_hf_dict(tiny_config_dict())
-
-
-def models() -> tuple[ThinkerModel, Talker]:
-    thinker = load_part("thinker", CFG, load_format="dummy", seed=3)
-    talker = load_part("talker", CFG, load_format="dummy", seed=3)
-    assert isinstance(thinker, ThinkerModel) and isinstance(talker, Talker)
-    return thinker, talker
-
-
-def thinker_chunks(thinker: ThinkerModel, turn: ThinkerTurn, prompt_len: int) -> list[dict[str, Any]]:
-    """What `ThinkerRunner` streams for this turn: per reply token its embedding, the first with the prompt."""
-    embed = thinker.model.language_model.embed_tokens
-    prompt = turn.text_ids[0, :prompt_len]
-    reply = turn.text_ids[0, prompt_len:].tolist()
-    tts = torch.tensor([CFG.tts_bos_token_id, CFG.tts_eos_token_id, CFG.tts_pad_token_id])
-    chunks: list[dict[str, Any]] = []
-    with torch.no_grad():
-        for k, token in enumerate(reply):
-            feed: dict[str, Any] = {"embed": embed(torch.tensor([token]))}
-            if k == 0:
-                feed.update(prompt_ids=prompt.tolist(), prompt_embeds=embed(prompt),
-                            mm_hidden=torch.zeros(0, CFG.thinker.text.hidden_size), tts_embeds=embed(tts))
-            chunks.append({"token_ids": [token], TALKER_FEED_KEY: feed})
-    return chunks
-
 
 def reference_codes(thinker: ThinkerModel, talker: Talker, turn: ThinkerTurn, prompt_len: int,
                     max_frames: int) -> torch.Tensor:
@@ -182,6 +154,40 @@ def test_a_reply_stops_at_the_models_positions() -> None:
     num_frames = sum(e.payload["codes"].shape[1] for e in emits if "codes" in e.payload)
     assert [e.kind for e in emits if e.kind is not EmitKind.STREAM] == [EmitKind.RESULT], emits[-1]
     assert 0 < num_frames < 512
+
+
+def test_a_reply_with_no_token_to_speak_ends_with_no_frame_beside_a_spoken_one() -> None:
+    # NOTE: a reply that is only its EOS (or only tool calls, whose tokens the thinker never streams) leaves the
+    # talker nothing to speak: its one step is the codec EOS, taken beside the spoken reply's steps, which make
+    # the reference's frames as alone. A stream that ended with no chunk at all is silent too.
+    thinker, talker = models()
+    config = TalkerRunnerConfig(budget_bytes=256 << 20, thinker_hidden_size=32, page_size=4, decode_graphs="off")
+    runner = TalkerRunner(talker, turn_token_ids(CFG), config)
+    sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=64, prefix_cache=False)
+    prompt = tiny_prompt_ids(num_user_text=5)
+    turn = run_greedy_thinker(thinker, torch.tensor([prompt]), CFG.talker.accept_hidden_layer, 10**6, 6)
+    chunks = thinker_chunks(thinker, turn, len(prompt))
+    streams = {"spoken": chunks, "silent": chunks[:1], "empty": []}
+    for rid, stream in streams.items():
+        sched.add(runner.admit(WorkItem(rid, WorkKind.NEW, {}, {"talker": {"max_frames": 12}}, is_stream=True)), 0.0)
+        for k, chunk in enumerate(stream):
+            sched.add(runner.admit(WorkItem(rid, WorkKind.CHUNK, chunk, seq=k)), 0.0)
+        sched.add(runner.admit(WorkItem(rid, WorkKind.DONE, {}, seq=len(stream))), 0.0)
+    emits: list[Emit] = []
+    batches = []
+    while (batch := sched.schedule(0.0)) is not None:
+        batches.append({s.request_id for s in batch.seqs})
+        emits += sched.update(batch, runner.execute(batch))
+    assert batches[0] == set(streams), "the silent steps share the spoken reply's prefill step"
+    eos = CFG.talker.codec_eos_token_id
+    for rid in ("silent", "empty"):
+        mine = [e for e in emits if e.request_id == rid]
+        assert [(e.kind, e.payload["token_ids"], "codes" in e.payload) for e in mine] == [
+            (EmitKind.STREAM, [eos], False), (EmitKind.RESULT, [eos], False)], rid
+        assert mine[-1].payload["finish_reason"] == "stop"
+    frames = [e.payload["codes"] for e in emits if e.request_id == "spoken" and "codes" in e.payload]
+    assert torch.equal(torch.cat(frames, dim=1), reference_codes(thinker, talker, turn, len(prompt), 12))
+    assert sched.stats()["num_used_pages"] == 0 and not sched.active_request_ids
 
 
 class FailingRunner(TalkerRunner):

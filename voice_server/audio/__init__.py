@@ -3,7 +3,8 @@
 - ``levels``: frame levels and when a listener first hears a response (``PlayoutClock``);
 - ``g711``: mu-law / A-law codecs, bit-exact with the ITU-T G.191 reference;
 - ``pcm``: PCM16 bytes <-> int16 <-> float32 and strict base64 for JSON audio payloads;
-- ``resample``: streaming polyphase resampling between 8, 16, 24, 44.1 and 48 kHz.
+- ``resample``: streaming polyphase resampling between 8, 16, 24, 44.1 and 48 kHz;
+- ``denoise``: a session's noise suppressor (RNNoise's C library, from the `pyrnnoise` wheel, through ctypes).
 """
 
 from __future__ import annotations

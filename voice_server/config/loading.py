@@ -21,6 +21,7 @@ from yaml.nodes import CollectionNode, MappingNode, Node, ScalarNode, SequenceNo
 from voice_server.config.errors import ConfigError, fail, one_line, quoted
 from voice_server.config.pipeline import PipelineConfig, StageConfig
 from voice_server.config.topology import check_num_stages
+from voice_server.config.voices import voices_from_dict
 
 MAX_FILE_BYTES = 1 << 20
 """Largest pipeline config file read (1 MiB)."""
@@ -200,6 +201,7 @@ def pipeline_from_dict(raw: Any) -> PipelineConfig:
                 kwargs.pop(optional)  # NOTE: `env:` with nothing after it reads as null: no variables
         stages.append(StageConfig(**kwargs))
     top["stages"] = tuple(stages)
+    top["voices"] = voices_from_dict(where, top.get("voices"))
     top.setdefault("name", name)
     return PipelineConfig(**top)
 

@@ -15,6 +15,7 @@ from voice_server.config.env import check_env, check_process_env, process_env
 from voice_server.config.errors import ConfigError, fail, quoted
 from voice_server.config.fields import Choice, Flag, Number, Rule, Text, check_fields
 from voice_server.config.topology import check_topology, reachable_from
+from voice_server.config.voices import VOICE_NAME_RE, VoiceConfig, check_voices, find_voice
 
 __all__ = ["PIPELINE_RULES", "SCHEDULERS", "STAGE_RULES", "ConfigError", "PipelineConfig", "StageConfig"]
 
@@ -133,8 +134,10 @@ PIPELINE_RULES: dict[str, Rule] = {
     "max_queued_outputs": Number(int, minimum=1),
     "restart_backoff_s": Number(float, minimum=0.0, is_min_exclusive=True),
     "max_restart_backoff_s": Number(float, minimum=0.0, is_min_exclusive=True),
+    "default_voice": Text(VOICE_NAME_RE, "a voice name", is_empty_allowed=True),
 }
-"""Every pipeline-level field but `stages`, with its rule. A new field needs a row here (a test checks);
+"""Every pipeline-level field but `stages` and `voices` (`config/voices.py`), with its rule. A new field needs a
+row here (a test checks);
 `Number(..., is_nullable=True)` for limits where null means auto/off."""
 
 
@@ -184,6 +187,11 @@ class PipelineConfig:
     """Delay before restarting a crashed stage process; doubles per consecutive crash."""
     max_restart_backoff_s: float = 30.0
     """Cap of the restart delay."""
+    voices: tuple[VoiceConfig, ...] = ()
+    """What a session may choose its responses to speak in (`config/voices.py`): each voice's request params and
+    the OpenAI voice names that choose it. None declared: a session's voice name is metadata only."""
+    default_voice: str = ""
+    """The voice of a session that names none; "" is the first declared."""
 
     def __post_init__(self) -> None:
         where = f"pipeline {quoted(self.name)}"
@@ -194,10 +202,18 @@ class PipelineConfig:
             raise fail(where, "stages", "at least one stage is required")
         check_topology(where, self.stages, self.entry_stage)
         check_process_env(self.stages)
+        check_voices(where, self.voices, self.default_voice)
         if self.max_relay_bytes is not None and self.max_relay_bytes < self.relay_slab_bytes:
             raise fail(where, "max_relay_bytes", f"must be at least relay_slab_bytes ({self.relay_slab_bytes})")
         if self.max_restart_backoff_s < self.restart_backoff_s:
             raise fail(where, "max_restart_backoff_s", "must be >= restart_backoff_s")
+
+    @property
+    def default_voice_config(self) -> VoiceConfig | None:
+        """The default voice; None when the pipeline declares none."""
+        if not self.voices:
+            return None
+        return find_voice(self.voices, self.default_voice) if self.default_voice else self.voices[0]
 
     @property
     def entry_stage(self) -> str:

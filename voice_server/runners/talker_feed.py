@@ -11,6 +11,11 @@ also with the prompt. Following transformers' `generate` (which runs the talker 
 So the talker may have `1 + number of known text vectors` frames (unlimited after the thinker's end),
 which its runner passes to the scheduler as `max_num_outputs`. Every input row a step may need is
 rebuilt from stored vectors, so a preempted request recomputes exactly.
+
+A reply with no token to speak (the thinker's end after at most one token: its EOS at once, or a reply
+that was only tool calls, whose tokens the thinker's stage never streams) is silent: no prefill, and the
+request's one position is a step that decides the codec EOS without the model (`TalkerRunner.execute`),
+so it ends like any reply, with no frame, and the vocoder's stream after it ends empty.
 """
 
 from __future__ import annotations
@@ -46,10 +51,15 @@ class TalkerFeed:
     """[V] bool: code-0 ids chosen so far (repetition penalty)."""
 
     @property
+    def is_silent(self) -> bool:
+        """The thinker ended and its reply has no token to speak (every token but the last is spoken)."""
+        return self.is_thinker_done and len(self.reply_embeds) < 2
+
+    @property
     def max_num_outputs(self) -> int | None:
-        if self.prefill is None:
-            return 0
-        return None if self.is_thinker_done else 1 + len(self.text_vectors)
+        if self.is_thinker_done:
+            return None
+        return 0 if self.prefill is None else 1 + len(self.text_vectors)
 
     def add_chunk(self, chunk: FeedChunk) -> None:
         """One thinker chunk: a reply token's embedding (the first also with the prompt)."""
@@ -60,7 +70,8 @@ class TalkerFeed:
 
     def advance(self, talker: Talker, ids: TurnTokenIds) -> list[int] | None:
         """Build the prefill and text vectors the received input allows; the prefill's placeholder
-        token ids when it was just built (the scheduler counts positions by them), else None."""
+        token ids when it was just built (the scheduler counts positions by them), else None. A silent
+        reply gets one placeholder when the thinker's end makes it so: the step that ends it."""
         # NOTE: the thinker's last token (EOS, or the one that hit max_tokens) is never fed back, so
         # the talker text is every reply token but the last received: a token counts once another
         # follows it, and the thinker's end adds none.
@@ -68,9 +79,8 @@ class TalkerFeed:
         built = None
         if self.prefill is None:
             if num_consumed < 1:
-                if self.is_thinker_done:
-                    raise AdmissionError("the thinker's reply has no token to speak")
-                return None
+                # NOTE: only the thinker's end (DONE, which comes once) makes a reply silent.
+                return [0] if self.is_silent else None
             self.prefill = self._build_prefill(talker, ids)
             built = [0] * self.prefill.shape[0]
         # Text vector m is reply token m + 2 (t1 went into the prefill).

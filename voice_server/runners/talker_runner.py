@@ -8,7 +8,8 @@ frame's codebook-embedding sum is kept for the next input (`TalkerFeed`: input r
 stored vectors, never taken from the token ids). Upstream input is the thinker's token stream;
 `admit` turns it into prompt positions and the output limit the scheduler keeps (talker_feed.py).
 
-Each frame streams out as `{"codes": [G, 1]}`; the codec EOS step streams no codes and ends the request.
+Each frame streams out as `{"codes": [G, 1]}`; the codec EOS step streams no codes and ends the request. A reply
+with no token to speak ends so at once, with no frame (a silent reply: `TalkerFeed.is_silent`).
 Request params: `params.talker` = {`speaker`, `max_frames`} (defaults from the factory).
 """
 
@@ -160,6 +161,19 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
 
     @torch.inference_mode()
     def execute(self, batch: ARBatch) -> ARResult:
+        silent = [self.feeds[s.request_id].is_silent for s in batch.seqs]
+        if not any(silent):
+            return self._step(batch)
+        # NOTE: a silent reply (no token to speak, `talker_feed.py`) has one position, whose step is the codec
+        # EOS: decided here, without the model, so the request ends with no frame. The others step as usual,
+        # exactly as in a batch without it.
+        spoken = ARBatch(tuple(s for s, is_silent in zip(batch.seqs, silent) if not is_silent))
+        outputs = iter(self._step(spoken).outputs if spoken.seqs else ())
+        eos = SeqOutput(self.talker.cfg.codec_eos_token_id)
+        return ARResult(tuple((eos if seq.is_sampling else SeqOutput(None)) if is_silent else next(outputs)
+                              for seq, is_silent in zip(batch.seqs, silent)))
+
+    def _step(self, batch: ARBatch) -> ARResult:
         seqs = batch.seqs
         feeds = [self.feeds[s.request_id] for s in seqs]
         inputs = torch.cat([f.input_rows(s.start_pos, s.start_pos + len(s.token_ids)) for s, f in zip(seqs, feeds)])

@@ -11,7 +11,8 @@ Two layers, each with explicit streaming state:
   `finish()` the rest. A suffix that is a proper prefix of `<tool_call>` is held until the next delta
   decides it ("a < b" is text once " b" arrives), and an open call is held until it closes, so nothing
   of a call ever streams, not even its `<`. Whitespace right after a call's close is dropped (between
-  two calls, or before the text that follows). At `finish()` a held prefix is text and an unclosed call
+  two calls, or before the text that follows), and a token of that whitespace alone is dropped like a call's.
+  At `finish()` a held prefix is text and an unclosed call
   is reported as its raw text after its opening tag (the session refuses it as malformed).
 - `ToolCallGate`, on a request's STREAM emits (`ARScheduler._on_sample`): it feeds the filter the text
   the `StopChecker` released (so stop strings cut first; the guardrails skip calls themselves, see
@@ -85,6 +86,9 @@ class ToolCallFilter:
         self.num_fed_chars = 0
         self.spans: list[CallSpan] = []
         """Every call so far, in order: which tokens to drop (`ToolCallGate`)."""
+        self.blanks: list[tuple[int, int]] = []
+        """The whitespace dropped after each call, [start, end) in the input: a token of it alone is dropped
+        too (a talker fed a newline token after a call would speak it), one that also has text is not."""
 
     @property
     def num_decided_chars(self) -> int:
@@ -111,7 +115,9 @@ class ToolCallFilter:
                 self._is_in_call, self._is_after_call = False, True
                 continue
             if self._is_after_call:
-                i = len(buf) - len(buf[i:].lstrip())
+                start, i = i, len(buf) - len(buf[i:].lstrip())
+                if i > start:
+                    self._add_blank(base + start, base + i)
                 if i == len(buf):
                     self._pending = ""
                     break
@@ -140,8 +146,15 @@ class ToolCallFilter:
         return ToolStep("", (OPEN_TAG + pending.strip(),))
 
     def is_call(self, start: int, end: int) -> bool:
-        """Whether input [start, end) has a character of a call (an empty range: lies strictly inside one)."""
-        return any(span.overlaps(start, end) for span in self.spans)
+        """Whether input [start, end) has a character of a call (an empty range: lies strictly inside one), or
+        is only whitespace dropped after one."""
+        return any(span.overlaps(start, end) for span in self.spans) or (
+            start < end and any(a <= start and end <= b for a, b in self.blanks))
+
+    def _add_blank(self, start: int, end: int) -> None:
+        if self.blanks and self.blanks[-1][1] == start:
+            start = self.blanks.pop()[0]  # NOTE: the same run of whitespace, arriving over several deltas
+        self.blanks.append((start, end))
 
 
 def _num_tag_prefix_chars(text: str, start: int) -> int:

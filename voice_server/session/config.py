@@ -1,4 +1,4 @@
-"""`SessionConfig`: one session's audio rates, instructions, turn detection and request params,
+"""`SessionConfig`: one session's audio rates, instructions, turn detection, noise reduction and request params,
 validated on construction (each endpoint builds it from its own protocol's messages)."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from voice_server.session.turn_config import TurnDetectionConfig
+
+NOISE_REDUCTION_TYPES = ("near_field", "far_field", None)
 
 
 @dataclass(frozen=True)
@@ -18,6 +20,11 @@ class SessionConfig:
     """None: manual turns (the client commits and asks for responses)."""
     params: tuple[tuple[str, Any], ...] = ()
     """Request params every response sends (e.g. sampling), as items so the config stays hashable."""
+    noise_reduction: str | None = None
+    """`near_field` or `far_field` (OpenAI's two types; both run the same model, RNNoise: `audio/denoise.py`) on
+    the input before turn detection and recognition; None: off, the default (OpenAI's too): it helps the asr
+    in steady noise but hurts it in babble and on clean speech, and delays every end of turn by ~35 ms
+    (docs/BENCHMARKS.md, "Noise reduction of the input")."""
 
     def __post_init__(self) -> None:
         for name in ("input_rate", "output_rate"):
@@ -26,3 +33,5 @@ class SessionConfig:
                 raise ValueError(f"{name}: must be 8000, 16000, 24000 or 48000, got {value!r}")
         if not isinstance(self.instructions, str) or len(self.instructions) > 100_000:
             raise ValueError("instructions: must be a string of at most 100000 characters")
+        if self.noise_reduction not in NOISE_REDUCTION_TYPES:
+            raise ValueError(f"noise_reduction: must be one of {NOISE_REDUCTION_TYPES}, got {self.noise_reduction!r}")

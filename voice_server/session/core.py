@@ -22,6 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import StreamResampler
+from voice_server.audio.denoise import NoiseSuppressor
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id
@@ -59,6 +60,11 @@ async def _discard(event: SessionEvent) -> None:
     """`emit` of a closed session."""
 
 
+def _suppressor(config: SessionConfig) -> NoiseSuppressor | None:
+    """The session's noise suppressor (SuppressorUnavailable, naming the install command, if missing)."""
+    return None if config.noise_reduction is None else NoiseSuppressor(config.input_rate)
+
+
 class Session(StreamedTurns):
     def __init__(self, coordinator: Engine, config: SessionConfig, emit: Emit) -> None:
         super().__init__(coordinator, config, emit)
@@ -66,10 +72,15 @@ class Session(StreamedTurns):
         self.interruption_rules = InterruptionRules()
         self._turn_lock = asyncio.Lock()
         self._scorer = PauseScorer()
+        self.denoiser = _suppressor(config)
 
     # -- input ---------------------------------------------------------------------------------------
 
     async def on_audio(self, pcm16: npt.NDArray[np.int16]) -> None:
+        if self.denoiser is not None:
+            # NOTE: before everything: the turn detector, the turn's streamed audio and the committed item
+            # all take the denoised audio (`delay_ms` behind, the same number of samples: one timeline).
+            pcm16 = self.denoiser.process(pcm16)
         self.input.append(pcm16)
         if self._turn is not None:
             await self._send_turn_audio(pcm16)
@@ -211,14 +222,22 @@ class Session(StreamedTurns):
 
     async def reconfigure(self, config: SessionConfig) -> None:
         """A new config (e.g. a protocol's `session.update`). A changed input rate or turn detection
-        restarts turn detection and drops buffered input; the output rate applies from the next response."""
+        restarts turn detection and drops buffered input; the output rate applies from the next response.
+        SuppressorUnavailable (nothing changed) when it asks for noise reduction and the model is missing."""
+        # NOTE: near_field <-> far_field keeps the suppressor (the same model); turning it on or off mid-stream
+        # moves the audio by its delay (35 ms at 16 kHz) at that point. Made first: it is what may fail.
+        is_new_denoiser = (config.input_rate, config.noise_reduction is None) != (
+            self.config.input_rate, self.config.noise_reduction is None)
+        denoiser = _suppressor(config) if is_new_denoiser else self.denoiser
         if (config.input_rate, config.turn_detection) != (self.config.input_rate, self.config.turn_detection):
             self._scorer.cancel()
             self.detector = make_detector(config)
             self.input = InputBuffer(config.input_rate)
             self._drop_turn()
             await self.release_onset()  # NOTE: the old detector's onset will never be lost
-        self.config = config
+        if is_new_denoiser and self.denoiser is not None:
+            self.denoiser.close()
+        self.denoiser, self.config = denoiser, config
 
     async def truncate(self, item_id: str, audio_end_ms: int) -> None:
         """The client says it played only `audio_end_ms` of an assistant item (ValueError if no such
@@ -249,4 +268,7 @@ class Session(StreamedTurns):
         self._scorer.cancel()
         self._drop_turn()
         await self.cancel_response()
+        if self.denoiser is not None:
+            self.denoiser.close()  # NOTE: the model's C state, now rather than at the next collection
+            self.denoiser = None
         self.emit, self._run, self._response, self.interruption = _discard, None, None, None

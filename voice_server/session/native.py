@@ -2,9 +2,13 @@
 
 1. The client's first message is JSON `{"type": "session.start", "input_rate": 16000,
    "output_rate": 24000, "instructions": "...", "turn_detection": {server_vad or semantic_vad fields} | null,
-   "tools": [...], "tool_choice": "auto", "params": {...}}` (every field optional; rates
-   8000/16000/24000/48000, default 24000; `tools` and `tool_choice` as OpenAI Realtime's; `params` go with
-   every request, e.g. `{"sampling": {"max_tokens": 64}}`). The server answers `session.started`.
+   "tools": [...], "tool_choice": "auto", "voice": "...", "params": {...}}` (every field optional; rates
+   8000/16000/24000/48000, default 24000; `tools` and `tool_choice` as OpenAI Realtime's; `voice` one of the
+   pipeline's voices or an OpenAI name it maps, default the pipeline's default voice (any name where the
+   pipeline declares none); `params` go with every request, e.g. `{"sampling": {"max_tokens": 64}}`, and may
+   not set what a voice sets; `noise_reduction` `near_field`, `far_field` (the same model, RNNoise, on the
+   input before turn detection and recognition) or null, the default). The server answers `session.started`
+   (`voice`, and `voices`: the pipeline's; `noise_reduction`).
 2. Then binary frames are mono PCM16 little-endian audio at `input_rate`; text frames are JSON:
    `input.commit`, `input.clear` (manual turns), `text` `{"text", "respond": true}`, `response.create`,
    `response.cancel`, `playback` `{"played_ms"}` (how much of the current response the client has
@@ -40,6 +44,8 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
+from voice_server.audio.denoise import SuppressorUnavailable, check_available
+from voice_server.config.voices import VoiceConfig
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
 from voice_server.session.conversation import Item, new_id
@@ -66,6 +72,7 @@ from voice_server.session.realtime.errors import FieldError
 from voice_server.session.realtime.tool_fields import check_choice, parse_tool_choice, parse_tools
 from voice_server.session.tools import ToolCall
 from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.voices import check_unset, named_voice, with_voice
 
 log = logging.getLogger(__name__)
 SERVER_VAD_ONLY_KEYS = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
@@ -74,13 +81,15 @@ CLOSE_POLICY = 1008
 ENDPOINT = "native"
 
 
-def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
+def read_start(message: Any, default_type: str = "server_vad", voices: tuple[VoiceConfig, ...] = (),
+               default_voice: VoiceConfig | None = None) -> SessionConfig:
     """The `session.start` message -> the session's config; ValueError naming the field. A
     `turn_detection` without a `type` (or none at all) is of `default_type`, the pipeline's, unless it
-    names `server_vad`'s own fields."""
+    names `server_vad`'s own fields. `voices` and `default_voice`: the pipeline's (`named_voice`)."""
     if not isinstance(message, dict) or message.get("type") != "session.start":
         raise ValueError("the first message must be JSON {\"type\": \"session.start\", ...}")
-    known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params", "tools", "tool_choice"}
+    known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params", "tools", "tool_choice",
+             "voice", "noise_reduction"}
     unknown = sorted(str(k) for k in message if k not in known)
     if unknown:
         raise ValueError(f"session.start: unknown field(s) {', '.join(unknown)}")
@@ -104,9 +113,19 @@ def read_start(message: Any, default_type: str = "server_vad") -> SessionConfig:
         raise ValueError(f"{exc.param}: {exc.message}") from exc
     if tools:
         params = {**params, **tool_params(tools, choice)}
-    return SessionConfig(input_rate=message.get("input_rate", 24000), output_rate=message.get("output_rate", 24000),
-                         instructions=message.get("instructions", ""), turn_detection=turns,
-                         params=tuple(params.items()))
+    _, voice = named_voice(message.get("voice"), voices, default_voice)
+    if voice is not None:
+        check_unset(params, voice, voices)  # NOTE: like tools: chosen by naming the voice, never set twice
+        params = with_voice(params, voice)
+    config = SessionConfig(input_rate=message.get("input_rate", 24000), output_rate=message.get("output_rate", 24000),
+                           instructions=message.get("instructions", ""), turn_detection=turns,
+                           params=tuple(params.items()), noise_reduction=message.get("noise_reduction"))
+    if config.noise_reduction is not None:
+        try:
+            check_available()
+        except SuppressorUnavailable as exc:
+            raise ValueError(f"noise_reduction: {exc}") from exc
+    return config
 
 
 def to_json(event: SessionEvent) -> dict[str, Any]:
@@ -176,7 +195,10 @@ class NativeConnection:
                 first = await self.guard.receive()
             if first["type"] == "websocket.disconnect":
                 return
-            config = read_start(json.loads(first.get("text") or "null"), coordinator.cfg.turn_detection)
+            cfg = coordinator.cfg
+            message = json.loads(first.get("text") or "null")
+            config = read_start(message, cfg.turn_detection, cfg.voices, cfg.default_voice_config)
+            voice, _ = named_voice(message.get("voice"), cfg.voices, cfg.default_voice_config)
         # NOTE: RecursionError: json.loads of deeply nested text ("[[[[...") exhausts the recursion limit.
         except (TimeoutError, ValueError, TypeError, RecursionError) as exc:
             self.metrics.protocol_error("invalid_session_start")
@@ -185,7 +207,8 @@ class NativeConnection:
         session = Session(coordinator, config, self.emit)
         await self.guard.send_text(json.dumps({
             "type": "session.started", "input_rate": config.input_rate, "output_rate": config.output_rate,
-            "turn_detection": None if config.turn_detection is None else config.turn_detection.type}))
+            "turn_detection": None if config.turn_detection is None else config.turn_detection.type,
+            "voice": voice, "voices": [v.name for v in cfg.voices], "noise_reduction": config.noise_reduction}))
         try:
             while self.is_open:
                 message = await self.guard.receive()

@@ -9,14 +9,16 @@ may lower or raise it with `params.talker.max_frames`), `sampling` (`greedy`, th
 `on` also runs their fixed-shape path eagerly on a CPU; `off`) and `graph_max_len`
 (4096 positions the graphs cover; longer sequences step eagerly), `graph_buckets` ([1, 2, 4, 8, 16]),
 `compile` (false; on a CPU with `cuda_graphs: on`, torch.compile each bucket's step at start-up, the
-CPU's stand-in for graph capture). The stage's `prefix_cache` has no
-effect here: talker inputs are embeddings, so equal ids need not mean equal keys and values
-(`ARSpec.is_prefix_cacheable` is false).
+CPU's stand-in for graph capture). The stage's `prefix_cache` has no effect here: talker inputs are
+embeddings, so equal ids need not mean equal keys and values (`ARSpec.is_prefix_cacheable` is false).
+The pipeline's voices choose the speaker per response (`params.talker.speaker`); each voice's is checked
+against the model's speakers when the stage loads.
 """
 
 from __future__ import annotations
 
-from voice_server.config.errors import ConfigError, fail, show
+from voice_server.config.errors import ConfigError, fail, quoted, show
+from voice_server.config.pipeline import PipelineConfig
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
@@ -49,6 +51,7 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
     names = [name for name, _ in args.cfg.talker.speaker_ids]
     if not isinstance(speaker, str) or speaker.lower() not in names:
         raise fail(args.where, "factory_args.speaker", f"must be one of {', '.join(names)}, got {show(speaker)}")
+    check_voice_speakers(ctx.pipeline, names)
     model = args.load("talker")
     assert isinstance(model, Talker)
     budget = ctx.memory_budget_bytes()
@@ -72,3 +75,22 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
         return TalkerRunner(model, turn_token_ids(args.cfg), config)
     except ValueError as exc:
         raise ConfigError(f"{args.where}: {exc}") from exc
+
+
+TALKER_PARAMS = ("speaker", "max_frames")
+"""What `params.talker` may hold (`TalkerRunner` refuses a request with anything else)."""
+
+
+def check_voice_speakers(pipeline: PipelineConfig, names: list[str]) -> None:
+    """Each voice's `params.talker` is one the runner takes, its `speaker` one of the model's (`names`): a typo
+    fails the start, naming the field, rather than every response in that voice."""
+    for voice in pipeline.voices:
+        field_name = f"voices.{voice.name}.params.talker"
+        talker = voice.params.get("talker", {})
+        if not isinstance(talker, dict) or not set(talker) <= set(TALKER_PARAMS):
+            raise fail(f"pipeline {quoted(pipeline.name)}", field_name,
+                       f"must be a mapping with at most {' and '.join(TALKER_PARAMS)}, got {show(talker)}")
+        speaker = talker.get("speaker")
+        if speaker is not None and (not isinstance(speaker, str) or speaker.lower() not in names):
+            raise fail(f"pipeline {quoted(pipeline.name)}", f"{field_name}.speaker",
+                       f"must be one of the model's speakers ({', '.join(names)}), got {show(speaker)}")

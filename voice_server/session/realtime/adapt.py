@@ -13,11 +13,17 @@ Config mapping (a Realtime ``SessionConfig`` -> the core's):
 - ``max_output_tokens`` and ``temperature`` -> ``params.sampling`` of every request; ``tools`` and
   ``tool_choice`` -> ``params.tools`` / ``params.tool_choice`` (``tool_params``), which the thinker renders
   into its prompt and each response checks its calls against.
-- ``voice`` and ``speed`` are kept as session metadata (echoed in ``session.updated``) and not sent to
-  the pipeline: a pipeline's speaker names are its own (``params.talker.speaker`` for Qwen3-Omni), and
-  OpenAI's voice names (``alloy``, ``marin``...) name none of them.
+- ``voice``: resolved against the pipeline's voices (``voice_server/session/voices.py``: a voice's own name or
+  one of the OpenAI names it declares, e.g. ``alloy`` -> ``heart``), whose params go into every request
+  (``{"talker": {"speaker": "chelsie"}}`` for Qwen3-Omni); an unknown name is ``invalid_value``, listing the
+  voices. The name is echoed as the client sent it. A pipeline that declares no voices keeps any name as
+  metadata. ``speed`` is metadata (echoed, not sent).
 - ``output_modalities: ["text"]`` is the bridge's business: the pipeline still speaks, no audio is sent.
-- ``idle_timeout_ms``, ``transcription`` and ``noise_reduction`` are accepted and echoed, not acted on.
+- ``noise_reduction`` ``{"type": "near_field" | "far_field"}`` -> ``noise_reduction`` (both types run the same
+  model, RNNoise, on the input before turn detection and recognition: ``voice_server/audio/denoise.py``; its
+  ``strength`` is echoed, not acted on); ``null`` (the default) is off. Asking for it where the model is not
+  installed is ``unsupported``, naming the install command.
+- ``idle_timeout_ms`` and ``transcription`` are accepted and echoed, not acted on.
 """
 
 from __future__ import annotations
@@ -30,31 +36,54 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.audio import alaw_decode, alaw_encode, pcm16_from_bytes, pcm16_to_bytes, ulaw_decode, ulaw_encode
+from voice_server.audio.denoise import SuppressorUnavailable, check_available
+from voice_server.config.voices import VoiceConfig
 from voice_server.session.config import SessionConfig as CoreConfig
+from voice_server.session.realtime.errors import UNSUPPORTED, FieldError, invalid_value
 from voice_server.session.realtime.session_config import SessionConfig as RealtimeConfig
 from voice_server.session.realtime.session_fields import AudioFormat
 from voice_server.session.tools import Tool, ToolSet
 from voice_server.session.turn_config import TurnDetectionConfig
+from voice_server.session.voices import UnknownVoice, choose_voice, with_voice
 
 MAX_INPUT_PACE = 2.0
 """Appended audio may run at most this many times faster than real time (since the session started)."""
 INPUT_BURST_MS = 1000
 """On top of the pace: audio a client may send ahead at once (its first buffer, a network hiccup)."""
+VOICE_PARAM = "session.audio.output.voice"
+NOISE_REDUCTION_PARAM = "session.audio.input.noise_reduction"
 
 
-def core_config(session: RealtimeConfig) -> CoreConfig:
-    """The core config of a Realtime session; ValueError (naming the field) past the server's bounds."""
+def core_config(session: RealtimeConfig, voices: tuple[VoiceConfig, ...] = ()) -> CoreConfig:
+    """The core config of a Realtime session; ValueError (naming the field) past the server's bounds, FieldError
+    for a voice the pipeline does not declare or noise reduction whose model is not installed."""
+    try:
+        voice = choose_voice(voices, session.voice)
+    except UnknownVoice as exc:
+        raise invalid_value(VOICE_PARAM, str(exc)) from exc
     vad = session.turn_detection
     turns = None if vad is None else TurnDetectionConfig(
         threshold=vad.threshold, prefix_padding_ms=vad.prefix_padding_ms, silence_duration_ms=vad.silence_duration_ms,
         create_response=vad.create_response, interrupt_response=vad.interrupt_response,
         idle_timeout_ms=vad.idle_timeout_ms, type=vad.type, eagerness=vad.eagerness)
     sampling = sampling_params(session.max_output_tokens, session.temperature)
-    params = (("sampling", sampling),) if sampling else ()
-    tools = tool_params(session.tools, session.tool_choice)
+    params: dict[str, Any] = {"sampling": sampling} if sampling else {}
+    if session.tools:
+        params.update(tool_params(session.tools, session.tool_choice))
     return CoreConfig(input_rate=session.input_format.rate_hz, output_rate=session.output_format.rate_hz,
                       instructions=session.instructions, turn_detection=turns,
-                      params=params + tuple(tools.items()) if session.tools else params)
+                      params=tuple(with_voice(params, voice).items()), noise_reduction=noise_reduction(session))
+
+
+def noise_reduction(session: RealtimeConfig) -> str | None:
+    """The core's noise reduction of a Realtime session; FieldError when its model is not installed here."""
+    if session.noise_reduction is None:
+        return None
+    try:
+        check_available()
+    except SuppressorUnavailable as exc:
+        raise FieldError(UNSUPPORTED, str(exc), NOISE_REDUCTION_PARAM) from exc
+    return str(session.noise_reduction["type"])
 
 
 def tool_params(tools: tuple[Tool, ...], choice: str) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 (under the vendor key) so it need not find out by trial: ``served`` acts as OpenAI documents, ``ignored`` is
 accepted and echoed but changes nothing, ``refused`` answers an ``unsupported`` error.
 
+The voice is served where the pipeline declares voices (then ``voices`` lists them), else ignored (metadata).
+
 One place for the claim, beside the parsers that make it true (`session_config.py`, `payloads.py`,
 `tool_fields.py`): a change to what they take changes this list in the same commit.
 """
@@ -10,9 +12,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from voice_server.config.voices import VoiceConfig
+from voice_server.session.voices import voices_info
+
 SERVED = (
     "session.output_modalities", "session.instructions", "session.audio.input.format",
-    "session.audio.input.turn_detection (server_vad, semantic_vad)", "session.audio.output.format",
+    "session.audio.input.turn_detection (server_vad, semantic_vad)",
+    "session.audio.input.noise_reduction (near_field, far_field: both RNNoise)", "session.audio.output.format",
     "session.max_output_tokens", "session.temperature (beta)", "session.tools (function)", "session.tool_choice",
     "conversation.item.create (message with input_text/output_text, function_call, function_call_output)",
     "conversation.item.truncate", "conversation.item.delete", "input_audio_buffer.*",
@@ -20,7 +26,7 @@ SERVED = (
     "metadata)", "response.cancel",
 )
 IGNORED = (
-    "session.audio.input.transcription", "session.audio.input.noise_reduction", "session.audio.output.voice",
+    "session.audio.input.transcription", "session.audio.input.noise_reduction.strength", "session.audio.output.voice",
     "session.audio.output.speed", "session.parallel_tool_calls", "session.model", "session.tracing",
     "session.truncation", "session.include", "session.reasoning",
 )
@@ -31,5 +37,14 @@ REFUSED = (
 )
 
 
-def capabilities() -> dict[str, Any]:
-    return {"served": list(SERVED), "ignored": list(IGNORED), "refused": list(REFUSED)}
+VOICE = "session.audio.output.voice"
+VOICE_PER_RESPONSE = "response.create voice (that response only)"
+
+
+def capabilities(voices: tuple[VoiceConfig, ...] = (), default: VoiceConfig | None = None) -> dict[str, Any]:
+    """What is served, ignored and refused; with the pipeline's voices (`voice_server/session/voices.py`) the
+    voice is served, and `voices` lists them (each with the OpenAI names that choose it)."""
+    if not voices:
+        return {"served": list(SERVED), "ignored": list(IGNORED), "refused": list(REFUSED)}
+    return {"served": [*SERVED, VOICE, VOICE_PER_RESPONSE], "ignored": [name for name in IGNORED if name != VOICE],
+            "refused": list(REFUSED), "voices": voices_info(voices, default)}

@@ -9,13 +9,13 @@ the server picks one of those it offered, so `realtime` is echoed when offered (
 `Authorization: Bearer <key>`.
 
 On connect the server sends `session.created` with the default session (PCM 24 kHz in and out,
-`server_vad`, audio output). Then every text frame is a client event (`parse_client_event`); each is
-handled in order, one at a time, and what the session emits meanwhile is sent by `Bridge` under one
-send lock. Every malformed or out-of-order event is answered with an `error` event (codes in
-`errors`) and the session goes on; a binary frame is one of them (`binary_frame`: the protocol layer's
-decision, so a client that sends raw audio learns why instead of being cut off). A frame over the
-server's WebSocket size limit closes the connection with 1009 (uvicorn). Whenever the connection ends,
-the running response is aborted in every stage.
+the pipeline's turn detection and default voice, audio output). Then every text frame is a client
+event (`parse_client_event`); each is handled in order, one at a time, and what the session emits
+meanwhile is sent by `Bridge` under one send lock. Every malformed or out-of-order event is answered
+with an `error` event (codes in `errors`) and the session goes on; a binary frame is one of them
+(`binary_frame`: the protocol layer's decision, so a client that sends raw audio learns why instead of
+being cut off). A frame over the server's WebSocket size limit closes the connection with 1009
+(uvicorn). Whenever the connection ends, the running response is aborted in every stage.
 
 `adapt` maps the Realtime session onto the core's config and the audio formats; `handlers` does what
 each client event asks of the session; `bridge` maps the session's events onto server events.
@@ -50,6 +50,7 @@ from voice_server.session.pacing import Pacer
 from voice_server.session.realtime import server_events as se
 from voice_server.session.realtime.adapt import InputPace, core_config
 from voice_server.session.realtime.bridge import Bridge, Event
+from voice_server.session.realtime.capabilities import capabilities
 from voice_server.session.realtime.errors import ProtocolError
 from voice_server.session.realtime.events import parse_client_event
 from voice_server.session.realtime.handlers import HANDLERS
@@ -90,11 +91,15 @@ class RealtimeConnection:
         self, websocket: WebSocket, coordinator: Engine, guard: ConnectionGuard, metrics: ConnectionTracker,
     ) -> None:
         self.websocket, self.guard, self.metrics = websocket, guard, metrics
-        # NOTE: a new session's turn detection is the pipeline's default (the client may change it).
-        kind = coordinator.cfg.turn_detection
-        self.config = DEFAULT_SESSION if kind == "server_vad" else dataclasses.replace(
-            DEFAULT_SESSION, turn_detection=ServerVad(type=kind))
-        self.session = Session(coordinator, core_config(self.config), self.emit)
+        # NOTE: a new session's turn detection and voice are the pipeline's defaults (the client may change them).
+        cfg = coordinator.cfg
+        self.voices, default_voice = cfg.voices, cfg.default_voice_config
+        config = DEFAULT_SESSION if cfg.turn_detection == "server_vad" else dataclasses.replace(
+            DEFAULT_SESSION, turn_detection=ServerVad(type=cfg.turn_detection))
+        self.config = config if default_voice is None else dataclasses.replace(config, voice=default_voice.name)
+        self.vendor_info = capabilities(self.voices, default_voice)
+        """What `session.created` says under the vendor key: what this server serves, and its voices."""
+        self.session = Session(coordinator, core_config(self.config, self.voices), self.emit)
         self.bridge = Bridge(self.session.conversation, self.config)
         self.pace = InputPace()
         self._send_lock = asyncio.Lock()
@@ -140,7 +145,7 @@ class RealtimeConnection:
 
     async def serve(self) -> None:
         self.pace = InputPace()  # NOTE: the pace counts from the moment the client can send
-        await self.send(se.session_created(self.config))
+        await self.send(se.session_created(self.config, self.vendor_info))
         try:
             while self.is_open:
                 message = await self.guard.receive()

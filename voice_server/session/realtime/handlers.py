@@ -25,15 +25,18 @@ from voice_server.session.realtime.errors import (
 from voice_server.session.realtime.payloads import MessageItem
 from voice_server.session.realtime.tool_fields import FunctionCallItem, FunctionCallOutputItem, check_choice
 from voice_server.session.tools import ToolCall
+from voice_server.session.voices import UnknownVoice, choose_voice, voice_overrides
 
 if TYPE_CHECKING:
     from voice_server.session.realtime.endpoint import RealtimeConnection
+
+RESPONSE_VOICE = "response.audio.output.voice"
 
 
 async def on_session_update(conn: RealtimeConnection, event: ce.SessionUpdate) -> None:
     try:
         config = conn.config.updated(event.patch)
-        core = core_config(config)
+        core = core_config(config, conn.voices)
     except FieldError as exc:
         await conn.send(exc.to_protocol_error(event.event_id).to_event())
         return
@@ -162,6 +165,14 @@ async def on_response_create(conn: RealtimeConnection, event: ce.ResponseCreate)
             await conn.send(exc.to_protocol_error(event.event_id).to_event())
             return
         params.update(tool_params(tools, choice))
+    if overrides.voice is not None:
+        try:
+            voice = choose_voice(conn.voices, overrides.voice)
+        except UnknownVoice as exc:
+            await conn.error(INVALID_VALUE, f"Invalid value for '{RESPONSE_VOICE}': {exc}", RESPONSE_VOICE)
+            return
+        if voice is not None:  # NOTE: None: the pipeline declares no voices, the name is metadata
+            params.update(voice_overrides(dict(conn.session.config.params), voice))
     conn.bridge.overrides = overrides
     await conn.session.create_response(params or None, overrides.instructions)
 

@@ -142,8 +142,10 @@ def response_object(response_id: str, status: str, *, output: Sequence[Mapping[s
 
 # ---- session and input buffer -------------------------------------------------------------------
 
-def session_created(session: SessionConfig) -> dict[str, Any]:
-    return server_event("session.created", session={**session.to_ga_dict(), VENDOR_KEY: capabilities()})
+def session_created(session: SessionConfig, vendor_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``vendor_info``: what goes under the vendor key (``capabilities()``: what is served, the voices)."""
+    info = capabilities() if vendor_info is None else dict(vendor_info)
+    return server_event("session.created", session={**session.to_ga_dict(), VENDOR_KEY: info})
 
 
 def session_updated(session: SessionConfig) -> dict[str, Any]:

@@ -95,8 +95,8 @@ class SessionConfig:
     input_format: AudioFormat = field(default_factory=AudioFormat)
     output_format: AudioFormat = field(default_factory=AudioFormat)
     turn_detection: ServerVad | None = field(default_factory=ServerVad)
-    # NOTE: transcription and noise reduction are stored and echoed (clients check them) but the
-    # pipeline does not act on them yet; kept as the validated GA dicts.
+    # NOTE: kept as the validated GA dicts and echoed (clients check them). Noise reduction runs on the input
+    # (`adapt.core_config`); transcription is the pipeline's own recogniser's, whatever this says.
     transcription: Mapping[str, Any] | None = None
     noise_reduction: Mapping[str, Any] | None = None
     voice: str = DEFAULT_VOICE

@@ -2,7 +2,8 @@
 
 Inbound frames go through `TwilioStreamGuard` (parse, order and identity checks; a fatal error closes
 with its code: 1003, 1008 or 1009). The session starts at `start`: 8 kHz input (the caller's mu-law
-decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), server VAD.
+decoded to PCM16), 8 kHz output (the Session resamples the pipeline's audio), the pipeline's turn detection
+and default voice.
 
 - Settings: `app.state.twilio` (`TwilioSettings`, in `settings`; absent: the defaults, no auth). With a
   `token`, `start` must carry it in `customParameters` (`is_authorized`), else the socket closes with 1008.
@@ -119,7 +120,8 @@ class TwilioConnection:
             await self._close(CLOSE_POLICY_VIOLATION, "not authorized")
             return
         try:
-            config = self.settings.session_config(start, coordinator.cfg.turn_detection)
+            config = self.settings.session_config(start, coordinator.cfg.turn_detection,
+                                                  coordinator.cfg.default_voice_config)
             greeting = self.settings.greeting_of(start)
         except ValueError as exc:
             await self._close(CLOSE_POLICY_VIOLATION, str(exc))

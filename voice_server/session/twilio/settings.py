@@ -11,11 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from voice_server.config.voices import VoiceConfig
 from voice_server.session.config import SessionConfig
 from voice_server.session.events import SessionEvent
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
 from voice_server.session.twilio.messages import TwilioDtmf, TwilioStart
+from voice_server.session.voices import with_voice
 
 __all__ = ["GREETING_PARAMETER", "INSTRUCTIONS_PARAMETER", "CallListener", "TwilioSettings"]
 
@@ -51,12 +53,14 @@ class TwilioSettings:
         """The call's greeting instructions ("" for none); ValueError for one that is not a short string."""
         return check_greeting(start.custom_parameters.get(GREETING_PARAMETER, self.greeting))
 
-    def session_config(self, start: TwilioStart, default_type: str = "server_vad") -> SessionConfig:
-        """The call's session config; ValueError for instructions `SessionConfig` refuses."""
+    def session_config(self, start: TwilioStart, default_type: str = "server_vad",
+                       voice: VoiceConfig | None = None) -> SessionConfig:
+        """The call's session config (`voice`: the pipeline's default, whose params go over `params`); ValueError
+        for instructions `SessionConfig` refuses."""
         instructions = start.custom_parameters.get(INSTRUCTIONS_PARAMETER, self.instructions)
         turns = self.turn_detection or TurnDetectionConfig(type=default_type)
         return SessionConfig(input_rate=TWILIO_SAMPLE_RATE, output_rate=TWILIO_SAMPLE_RATE, instructions=instructions,
-                             turn_detection=turns, params=self.params)
+                             turn_detection=turns, params=tuple(with_voice(dict(self.params), voice).items()))
 
 
 def check_greeting(greeting: Any) -> str:
