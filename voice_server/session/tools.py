@@ -14,6 +14,7 @@ its params (`ToolSet.from_params`), so a per-response override checks its calls 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -43,6 +44,19 @@ class ToolCallError(ValueError):
         self.code = code
 
 
+@functools.lru_cache(maxsize=256)
+def _schema_error(schema_text: str) -> str | None:
+    """Why a JSON schema (as sorted JSON text) is not valid, or None.
+
+    NOTE: cached: a session's tools are rebuilt from the request params at every response and turn start
+    (`ToolSet.from_params`), and checking ten schemas costs ~7 ms of the session loop each time."""
+    try:
+        jsonschema.Draft202012Validator.check_schema(json.loads(schema_text))
+    except jsonschema.SchemaError as exc:
+        return str(exc.message)
+    return None
+
+
 @dataclass(frozen=True)
 class Tool:
     """One function the model may call (OpenAI's `{"type": "function", name, description, parameters}`)."""
@@ -61,9 +75,12 @@ class Tool:
             if not isinstance(self.parameters, Mapping):
                 raise ValueError(f"parameters: must be a JSON schema object, got {type(self.parameters).__name__}")
             try:
-                jsonschema.Draft202012Validator.check_schema(dict(self.parameters))
-            except jsonschema.SchemaError as exc:
-                raise ValueError(f"parameters: not a valid JSON schema: {exc.message}") from exc
+                schema_text = json.dumps(self.parameters, sort_keys=True)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"parameters: not a JSON object: {exc}") from exc
+            error = _schema_error(schema_text)
+            if error is not None:
+                raise ValueError(f"parameters: not a valid JSON schema: {error}")
 
     def to_param(self) -> dict[str, Any]:
         """What the pipeline renders into the prompt (`params["tools"]` items)."""
