@@ -182,3 +182,24 @@ def test_the_agent_speaks_first_on_an_empty_conversation(default: SessionServer)
         assert text.strip() and len(audio) > 48 * 200, (instructions, text)
         client.close()
     default.wait_idle(timeout=20)
+
+
+def test_a_recorded_question_sent_as_an_item_is_transcribed_and_answered(default: SessionServer) -> None:
+    # `conversation.item.create` with an `input_audio` part: the pipeline transcribes it as it does a spoken turn,
+    # and the reply answers it.
+    client = RealtimeClient(default.port)
+    client.update(audio={"input": {"format": {"type": "audio/pcm", "rate": 24000}, "turn_detection": None}})
+    voice = StreamResampler(ASR_RATE, 24000).process(speech(QUESTION, silence_s=0.3))
+    client.send("conversation.item.create", item={"type": "message", "role": "user", "content": [
+        {"type": "input_audio", "audio": b64encode(encode(voice))}]})
+    item_id = client.until("conversation.item.done")[-1]["item"]["id"]
+    client.send("response.create")
+    events = client.until("response.done", timeout=60)
+    assert events[-1]["response"]["status"] == "completed", events[-1]
+    completed = [e for e in events if e["type"] == "conversation.item.input_audio_transcription.completed"]
+    assert [e["item_id"] for e in completed] == [item_id]
+    assert word_error_rate(QUESTION, completed[0]["transcript"]) <= MAX_WER, completed
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+    assert "paris" in text.lower(), text
+    client.close()
+    default.wait_idle(timeout=20)

@@ -146,7 +146,15 @@ BAD_EVENTS: list[tuple[str | bytes, str, str | None, str | None]] = [
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}}',
      "invalid_value", "item.content", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
-     '[{"type": "input_audio", "audio": "AAAA"}]}}', "unsupported", "item.content[0].type", None),
+     '[{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}}', "unsupported",
+     "item.content[0].type", None),
+    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": '
+     '[{"type": "input_audio", "audio": "AAAA"}]}}', "invalid_value", "item.content[0].type", None),
+    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
+     '[{"type": "input_audio", "audio": "AAAA", "format": "wav"}]}}', "unknown_parameter",
+     "item.content[0].format", None),
+    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
+     '[{"type": "input_audio", "audio": "AAA"}]}}', "invalid_base64", "item.content[0].audio", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
      '[{"type": "input_text", "text": "a"}, {"type": "output_text", "text": "b"}]}}', "invalid_value",
      "item.content[1].type", None),

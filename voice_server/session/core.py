@@ -21,11 +21,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler
 from voice_server.audio.denoise import NoiseSuppressor
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
-from voice_server.session.conversation import SPEECH_RATE, Item, new_id
+from voice_server.session.conversation import Item, new_id, speech_item
 from voice_server.session.detectors import PauseScorer, make_detector
 from voice_server.session.end_of_turn import (
     UNFINISHED_SCORE,
@@ -214,7 +213,7 @@ class Session(StreamedTurns):
         if self.conversation.get(item.item_id) is not None:
             raise ValueError(f"item_id: an item {item.item_id!r} exists already")
         self.conversation.add(item)
-        await self.emit(InputCommitted(item.item_id, 0, item.text))
+        await self.emit(InputCommitted(item.item_id, item.num_audio_ms, item.text))
         return item
 
     def on_playback(self, played_ms: int) -> None:
@@ -250,10 +249,8 @@ class Session(StreamedTurns):
         if audio.size == 0:
             await self.emit(SessionError("input_audio_buffer_commit_empty", "no audio to commit"))
             return False
-        speech = audio if self.config.input_rate == SPEECH_RATE else StreamResampler(
-            self.config.input_rate, SPEECH_RATE).process(audio)
-        item = self.conversation.add(Item(item_id, "user", audio=speech, num_audio_ms=end_ms - start_ms))
-        await self.emit(InputCommitted(item.item_id, item.num_audio_ms))
+        item = self.conversation.add(speech_item(item_id, audio, self.config.input_rate, end_ms - start_ms))
+        await self.emit(InputCommitted(item.item_id, item.num_audio_ms, is_buffer=True))
         return True
 
     async def close(self) -> None:

@@ -32,6 +32,8 @@ class InputCommitted:
     item_id: str
     num_audio_ms: int
     text: str = ""
+    is_buffer: bool = False
+    """The item is the input buffer's audio (a detected or committed turn), not an item the client created."""
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ then ``*.done`` for the audio and transcript (or text), the content part, the ou
 conversation item, and ``response.done``.
 
 A user's spoken turn gives ``input_audio_buffer.committed``, then ``conversation.item.added`` and
-``conversation.item.done`` (content ``input_audio``, transcript null: nothing transcribes yet); a typed
-item only the latter two.
+``conversation.item.done`` (content ``input_audio``, transcript null: nothing transcribes yet); an item the
+client created (typed, or spoken as ``input_audio`` parts) only the latter two.
 
 Decisions:
 
@@ -125,8 +125,8 @@ class Bridge:
         previous = self.previous_item_id(item.item_id)
         wire = wire_item(item)
         added = [se.conversation_item_added(wire, previous), se.conversation_item_done(wire, previous)]
-        if item.audio is None:
-            return added
+        if not event.is_buffer:
+            return added  # NOTE: an item the client created (spoken or typed): OpenAI commits no buffer for it
         return [se.input_audio_committed(item.item_id, previous), *added]
 
     def _started(self, event: ResponseStarted) -> list[Event]:

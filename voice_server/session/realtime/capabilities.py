@@ -20,19 +20,22 @@ SERVED = (
     "session.audio.input.turn_detection (server_vad, semantic_vad)",
     "session.audio.input.noise_reduction (near_field, far_field: both RNNoise)", "session.audio.output.format",
     "session.max_output_tokens", "session.temperature (beta)", "session.tools (function)", "session.tool_choice",
-    "conversation.item.create (message with input_text/output_text, function_call, function_call_output)",
+    "conversation.item.create (message with input_text/output_text, user message with input_audio, "
+    "function_call, function_call_output)",
     "conversation.item.truncate", "conversation.item.delete", "input_audio_buffer.*",
     "response.create (instructions, tools, tool_choice, output_modalities, max_output_tokens, temperature, "
     "metadata)", "response.cancel",
 )
 IGNORED = (
-    "session.audio.input.transcription", "session.audio.input.noise_reduction.strength", "session.audio.output.voice",
+    "session.audio.input.transcription", "input_audio part transcript",
+    "session.audio.input.noise_reduction.strength", "session.audio.output.voice",
     "session.audio.output.speed", "session.parallel_tool_calls", "session.model", "session.tracing",
     "session.truncation", "session.include", "session.reasoning",
 )
 REFUSED = (
     "session.prompt", "session.type transcription", "tools of type mcp",
-    "conversation.item.create input_audio/input_image parts", "response.create input (a custom context)",
+    "conversation.item.create input_image parts", "a message mixing input_audio and input_text parts",
+    "response.create input (a custom context)",
     "response.create conversation none (out of band)", "a response output format other than the session's",
 )
 

@@ -37,9 +37,7 @@ from voice_server.session.realtime.errors import (
     require,
 )
 from voice_server.session.realtime.payloads import (
-    FunctionCallItem,
-    FunctionCallOutputItem,
-    MessageItem,
+    ClientItem,
     ResponseOverrides,
     parse_id,
     parse_item,
@@ -86,7 +84,7 @@ class InputAudioBufferClear:
 
 @dataclass(frozen=True)
 class ConversationItemCreate:
-    item: MessageItem | FunctionCallItem | FunctionCallOutputItem
+    item: ClientItem
     previous_item_id: str | None = None
     event_id: str | None = None
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from voice_server.session.conversation import Item, new_id
+from voice_server.audio import pcm16_to_float32
+from voice_server.session.conversation import Item, new_id, speech_item
 from voice_server.session.realtime import events as ce
 from voice_server.session.realtime import server_events as se
 from voice_server.session.realtime.adapt import MAX_INPUT_PACE, core_config, decode_input, sampling_params, tool_params
@@ -22,7 +23,7 @@ from voice_server.session.realtime.errors import (
     UNSUPPORTED,
     FieldError,
 )
-from voice_server.session.realtime.payloads import MessageItem
+from voice_server.session.realtime.payloads import AudioMessageItem, ClientItem
 from voice_server.session.realtime.tool_fields import FunctionCallItem, FunctionCallOutputItem, check_choice
 from voice_server.session.tools import ToolCall
 from voice_server.session.voices import UnknownVoice, choose_voice, voice_overrides
@@ -86,14 +87,24 @@ async def on_item_create(conn: RealtimeConnection, event: ce.ConversationItemCre
                                           "previous_item_id must be the last item's id.", "previous_item_id")
         return
     try:
-        await conn.session.add_item(session_item(event.item))
+        item = session_item(event.item, conn)
+    except ValueError as exc:
+        await conn.error(INVALID_VALUE, f"Invalid 'audio' for {conn.config.input_format.type}: {exc}.",
+                         "item.content")
+        return
+    try:
+        await conn.session.add_item(item)
     except ValueError:
         await conn.error(INVALID_VALUE, f"An item with id '{event.item.item_id}' exists already.", "item.id")
 
 
-def session_item(item: MessageItem | FunctionCallItem | FunctionCallOutputItem) -> Item:
-    """A client's item as the conversation keeps it."""
+def session_item(item: ClientItem, conn: RealtimeConnection) -> Item:
+    """A client's item as the conversation keeps it; ValueError for audio the session's input format cannot
+    read (e.g. PCM16 of an odd number of bytes)."""
     item_id = item.item_id or new_id("item")
+    if isinstance(item, AudioMessageItem):
+        fmt = conn.config.input_format
+        return speech_item(item_id, pcm16_to_float32(decode_input(item.audio, fmt)), fmt.rate_hz)
     if isinstance(item, FunctionCallItem):
         return Item(item_id, "assistant", kind="function_call", call=item.call)
     if isinstance(item, FunctionCallOutputItem):
