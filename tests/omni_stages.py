@@ -109,15 +109,21 @@ def write_toy_tokenizer(directory: Path) -> None:
 
 
 class ScriptedThinker(ThinkerRunner):
-    """Picks reply token k of a request from its `params.script`: every other logit of its sampling row is -inf."""
+    """Picks reply token k of a request from its `params.script`, or else from the stage's `scripts` in the order
+    requests arrive (a session's client sends no such param): every other logit of its sampling row is -inf."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, scripts: list[list[int]], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.scripts: dict[str, list[int]] = {}
+        self.next_scripts, self.num_admitted = scripts, 0
 
     def admit(self, item: WorkItem) -> WorkItem:
         if item.kind is WorkKind.NEW:
-            self.scripts[item.request_id] = list(item.params["script"])
+            script = item.params.get("script")
+            if script is None:
+                script = self.next_scripts[self.num_admitted % len(self.next_scripts)]
+                self.num_admitted += 1
+            self.scripts[item.request_id] = list(script)
         return super().admit(item)
 
     def release(self, request_id: str) -> None:
@@ -136,12 +142,14 @@ class ScriptedThinker(ThinkerRunner):
 
 
 def create_scripted_thinker(ctx: StageContext) -> ScriptedThinker:
-    """factory_args: `checkpoint` (with `write_toy_tokenizer`'s tokenizer) and `num_threads`; the stage streams to
-    the talker."""
-    args = read_omni_args(ctx)
+    """factory_args: `checkpoint` (with `write_toy_tokenizer`'s tokenizer), `num_threads`, and `scripts` (the replies
+    of requests without `params.script`, in turn); the stage streams to the talker."""
+    args = read_omni_args(ctx, ("scripts",))
     assert args.checkpoint is not None
     model = args.load("thinker")
     assert isinstance(model, ThinkerModel)
     config = DecoderRunnerConfig(ctx.memory_budget_bytes(), max_step_tokens=ctx.stage.max_step_tokens,
                                  max_num_seqs=ctx.stage.max_batch_size)
-    return ScriptedThinker(model, args.cfg, config, feeds_talker=True, tokenizer=load_hf_tokenizer(args.checkpoint))
+    scripts = ctx.args.get("scripts") or [[TINY_IDS["im_end"]]]
+    return ScriptedThinker(model, args.cfg, config, feeds_talker=True, tokenizer=load_hf_tokenizer(args.checkpoint),
+                           scripts=scripts)
