@@ -1,15 +1,16 @@
 // The voice-chat demo page: Start opens the speakers, the microphone and a `/ws` session; the server's
 // events become chat bubbles, reply audio goes to the player, and each finished reply's timings go to
-// the latency chart. `window.demo` exposes the page's state (counters, transcripts, turns) for tests
-// and for a look from the devtools console.
+// the latency chart, tool calls go to `tools.js`. `window.demo` exposes the page's state (counters,
+// transcripts, turns, tool calls) for tests and for a look from the devtools console.
 //
-// Query parameters (optional): `instructions`, `max_tokens` (the reply's sampling limit) and
-// `input_rate` (16000 or 24000, preselects the rate menu).
+// Query parameters (optional): `instructions`, `max_tokens` (the reply's sampling limit),
+// `input_rate` (16000 or 24000, preselects the rate menu) and `tools=1` (checks the Tools box).
 
 import { Microphone, microphoneContext, OUTPUT_RATE, Player, playerContext } from "./audio.js";
 import { LatencyChart } from "./chart.js";
 import { Chat } from "./chat.js";
 import { NativeSession } from "./protocol.js";
+import { DemoTools } from "./tools.js";
 
 // NOTE: the server cuts an interrupted reply to the last report it has when the user's speech starts,
 // so the report interval bounds how much unheard audio the conversation can keep.
@@ -17,7 +18,7 @@ const PLAYBACK_REPORT_MS = 250;
 
 const $ = (id) => document.getElementById(id);
 const ui = {
-  status: $("status"), statusText: $("status-text"), start: $("start"), rate: $("input-rate"),
+  status: $("status"), statusText: $("status-text"), start: $("start"), rate: $("input-rate"), tools: $("tools"),
   form: $("text-form"), text: $("text-input"), cancel: $("cancel"), meter: $("mic-level"), stats: $("stats"),
 };
 const query = new URLSearchParams(location.search);
@@ -25,8 +26,9 @@ if (["16000", "24000"].includes(query.get("input_rate"))) ui.rate.value = query.
 
 const chat = new Chat($("chat"));
 const chart = new LatencyChart($("latency-chart"), $("latency-legend"), $("latency-summary"));
+const tools = new DemoTools(chat, ui.tools, query);
 const demo = {
-  state: "idle", closeCode: null, closeReason: "", microphone: "", inputRate: null,
+  state: "idle", closeCode: null, closeReason: "", microphone: "", inputRate: null, toolCalls: tools.calls,
   numFramesSent: 0, numAudioSamplesReceived: 0, numAudioSamplesPlayed: 0, numAudioSamplesDropped: 0,
   bufferedSamples: 0, numBargeIns: 0, numPauses: 0, numResumes: 0, numPlaybackReports: 0, lastPlayedMs: null,
   transcripts: chat.entries, turns: [], interruptions: [], truncations: [], chartPoints: chart.points, errors: [], events: [],
@@ -51,7 +53,7 @@ function setState(state, detail = "") {
   const isLive = state === "connected";
   ui.text.disabled = !isLive;
   ui.form.querySelector("button").disabled = !isLive;
-  ui.rate.disabled = !(state === "idle" || state === "closed");
+  ui.rate.disabled = ui.tools.disabled = !(state === "idle" || state === "closed");
 }
 
 function showStats() {
@@ -85,17 +87,13 @@ async function start() {
   }
   // NOTE: no turn_detection: the server's default (semantic_vad on the CPU defaults, which pauses a reply on
   // speech over it and resumes it when that was only an "uh huh").
-  const startMessage = { input_rate: inputRate, output_rate: OUTPUT_RATE };
+  const startMessage = { input_rate: inputRate, output_rate: OUTPUT_RATE, ...tools.startFields() };
   if (query.get("instructions")) startMessage.instructions = query.get("instructions");
   const maxTokens = Number.parseInt(query.get("max_tokens") ?? "", 10);
   if (maxTokens > 0) startMessage.params = { sampling: { max_tokens: maxTokens } };
   session = new NativeSession(NativeSession.urlFor(location), startMessage, { onOpen, onEvent, onAudio, onClose });
   reportTimer = setInterval(reportPlayback, PLAYBACK_REPORT_MS);
   ui.start.disabled = false;
-}
-
-function stop() {
-  session?.close("client stopped");
 }
 
 async function teardown() {
@@ -219,7 +217,6 @@ const handlers = {
     if (e.status !== "completed") chat.mark(e.item_id, e.status);
   },
   error(e) {
-    demo.errors.push(e);
     chat.notice(`error ${e.code}: ${e.message}`);
   },
 };
@@ -227,7 +224,8 @@ const handlers = {
 function onEvent(event) {
   demo.events.push(event.type);
   if (demo.events.length > 200) demo.events.shift();
-  handlers[event.type]?.(event);
+  if (event.type === "error") demo.errors.push(event);
+  if (!tools.onEvent(event, session)) handlers[event.type]?.(event);
 }
 
 // -- playback reports and barge-in ---------------------------------------------------------------------
@@ -284,7 +282,7 @@ function noteCut(itemId, part) {
 
 // -- controls ------------------------------------------------------------------------------------------
 
-ui.start.addEventListener("click", () => (session ? stop() : start()));
+ui.start.addEventListener("click", () => (session ? session.close("client stopped") : start()));
 ui.cancel.addEventListener("click", () => {
   if (!session || !response || response.isFlushed) return;
   if (!response.isDone) session.cancelResponse();

@@ -1,6 +1,6 @@
-// The conversation as chat bubbles, one per item: user turns (spoken or typed), assistant replies and
-// notices (errors, barge-ins). Each bubble is keyed by the server's item id so later events (a
-// transcript arriving, a truncation) update it in place. `entries` mirrors the bubbles for tests.
+// The conversation as chat bubbles, one per item: user turns (spoken or typed), assistant replies, tool
+// calls (`tools.js`) and notices (errors, barge-ins). Each bubble is keyed by the server's item id so later
+// events (a transcript arriving, a truncation) update it in place. `entries` mirrors the bubbles for tests.
 
 export class Chat {
   constructor(list) {

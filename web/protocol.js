@@ -56,6 +56,11 @@ export class NativeSession {
     return this.send({ type: "response.cancel" });
   }
 
+  // A tool call's output (`call_id` from its `tool_call`); `respond` asks for the next response.
+  sendToolResult(callId, output, respond) {
+    return this.send({ type: "tool_result", call_id: callId, output, respond });
+  }
+
   reportPlayback(playedMs) {
     return this.send({ type: "playback", played_ms: Math.max(0, Math.floor(playedMs)) });
   }
