@@ -54,7 +54,7 @@ export class DemoTools {
     this.toggle = toggle;
     this.calls = [];
     this.pending = new Map(); // response id -> [{call, itemId, output (a promise)}]
-    this.echoes = []; // outputs sent, in order: the server echoes each as an `input_committed`
+    this.answered = new Map(); // call id -> {call, itemId, isCut}: the server commits each output with its call id
     if (query.get("tools") === "1") toggle.checked = true;
   }
 
@@ -74,8 +74,9 @@ export class DemoTools {
       return true;
     }
     if (event.type === "response_done") this.answer(event, session);
-    if (event.type === "input_committed" && !event.audio_ms && this.echoes[0]?.output === event.text) {
-      const { call, itemId, isCut } = this.echoes.shift();
+    if (event.type === "input_committed" && this.answered.has(event.call_id)) {
+      const { call, itemId, isCut } = this.answered.get(event.call_id);
+      this.answered.delete(event.call_id);
       this.show(itemId, call, isCut ? "answered, no new reply (the reply was cut short)" : "answered");
       return true; // NOTE: the output going into the conversation, not something the user typed
     }
@@ -110,7 +111,7 @@ export class DemoTools {
     const isCut = e.status !== "completed";
     calls.forEach(({ call, itemId }, i) => {
       const isSent = session?.sendToolResult(call.callId, outputs[i], !isCut && i === calls.length - 1) ?? false;
-      if (isSent) this.echoes.push({ output: outputs[i], call, itemId, isCut });
+      if (isSent) this.answered.set(call.callId, { call, itemId, isCut });
       this.show(itemId, call, isSent ? "sent" : "not sent: the session closed");
     });
   }

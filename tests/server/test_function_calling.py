@@ -199,6 +199,9 @@ def test_ws_tool_call_then_tool_result(server: SessionServer, plain: bytes) -> N
         assert not any(e["type"] == "tool_call" for e in events) and audio == plain
         events, audio = ws_turn(ws, {"type": "tool_result", "call_id": tool_call["call_id"], "output": "rain"})
         assert events[-1]["text"] == "The tool says: rain" and audio
+        # NOTE: the output is committed with the call it answers, so a client tells it from a typed turn.
+        committed = next(e for e in events if e["type"] == "input_committed")
+        assert (committed["call_id"], committed["text"]) == (tool_call["call_id"], "rain")
         ws.send(json.dumps({"type": "tool_result", "call_id": "call_nope", "output": "x"}))
         assert json.loads(ws.recv(5))["code"] == "invalid_value"
     with connect(f"ws://127.0.0.1:{server.port}/ws", open_timeout=5) as ws:

@@ -144,7 +144,8 @@ async def tool_calls(peer: Peer) -> None:
                     audio_ms=0, timings_ms={}, error="")
     record["answers"] = [await peer.next("tool_result"), await peer.next("tool_result")]
     for n, answer in enumerate(record["answers"]):
-        await peer.send(type="input_committed", item_id=f"item_o{n}", audio_ms=0, text=answer["output"])
+        await peer.send(type="input_committed", item_id=f"item_o{n}", audio_ms=0, text=answer["output"],
+                        call_id=answer["call_id"])
     await peer.send(type="response_started", response_id="resp_2", item_id="item_a2")
     await peer.send(type="response_done", response_id="resp_2", item_id="item_a2", status="completed",
                     text="It is noon.", audio_ms=0, timings_ms={}, error="")
@@ -157,7 +158,8 @@ async def tool_calls(peer: Peer) -> None:
     await peer.send(type="response_done", response_id="resp_3", item_id="item_a3", status="cancelled", text="",
                     audio_ms=0, timings_ms={}, error="")
     record["answers"].append(await peer.next("tool_result"))
-    await peer.send(type="input_committed", item_id="item_o3", audio_ms=0, text=record["answers"][-1]["output"])
+    await peer.send(type="input_committed", item_id="item_o3", audio_ms=0, text=record["answers"][-1]["output"],
+                    call_id=record["answers"][-1]["call_id"])
     record["done"] = True
     await peer.closed()  # NOTE: until the page closes (Stop)
 

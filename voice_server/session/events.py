@@ -34,6 +34,8 @@ class InputCommitted:
     text: str = ""
     is_buffer: bool = False
     """The item is the input buffer's audio (a detected or committed turn), not an item the client created."""
+    call_id: str = ""
+    """A tool's output (a `function_call_output` item): the call it answers; `text` is the output."""
 
 
 @dataclass(frozen=True)

@@ -134,8 +134,9 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
     if isinstance(event, SpeechStopped):
         return {"type": "speech_stopped", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
     if isinstance(event, InputCommitted):
-        return {"type": "input_committed", "item_id": event.item_id, "audio_ms": event.num_audio_ms,
-                "text": event.text}
+        committed = {"type": "input_committed", "item_id": event.item_id, "audio_ms": event.num_audio_ms,
+                     "text": event.text}
+        return {**committed, "call_id": event.call_id} if event.call_id else committed
     if isinstance(event, InputTranscriptDelta):
         return {"type": "input_transcript_delta", "item_id": event.item_id, "delta": event.delta}
     if isinstance(event, InputTranscriptDone):
