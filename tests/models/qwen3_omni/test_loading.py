@@ -37,4 +37,4 @@ def test_load_part_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="checkpoint directory"):
         load_part("talker", cfg)
     with pytest.raises(ValueError, match="part must be"):
-        load_part("vision", cfg, load_format="dummy")  # type: ignore[arg-type]
+        load_part("visual", cfg, load_format="dummy")  # type: ignore[arg-type]

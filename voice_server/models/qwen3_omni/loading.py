@@ -3,6 +3,9 @@
 Each serving stage loads only its own part: a stage never holds the other parts' weights. The
 `audio_tower` part is the thinker's audio encoder alone (for the encoder stage), with the same
 weights as inside the thinker: the checkpoint's `thinker.audio_tower.*`, or the same dummy draws.
+The `vision` part is the thinker's vision tower alone (checkpoint `thinker.visual.*`); the thinker
+itself does not build it and skips those weights, and its dummy draws are seeded by the names it
+would have inside the thinker (`model.visual.*`).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.models.qwen3_omni.vision.encoder import VisionEncoder
 from voice_server.models.qwen3_omni.weights import build_on_meta, init_dummy_weights, load_weights
 
-Part = Literal["thinker", "talker", "code2wav", "audio_tower"]
-# NOTE: where the audio tower sits in the thinker (in-memory names), for its checkpoint prefix and dummy seeds.
+Part = Literal["thinker", "talker", "code2wav", "audio_tower", "vision"]
+# NOTE: where the towers sit in the thinker (in-memory names), for their checkpoint prefixes and dummy seeds.
 _AUDIO_TOWER_PREFIX = "model.audio_tower."
+_VISION_PREFIX = "model.visual."
 LOAD_FORMATS = ("auto", "dummy")
 
 
@@ -46,6 +51,9 @@ def load_part(
     if part == "audio_tower":
         module, name_prefix = build_on_meta(AudioEncoder, cfg.thinker.audio), _AUDIO_TOWER_PREFIX
         prefix = f"thinker.{_AUDIO_TOWER_PREFIX}"
+    elif part == "vision":
+        module, name_prefix = build_on_meta(VisionEncoder, cfg.thinker.vision), _VISION_PREFIX
+        prefix = f"thinker.{_VISION_PREFIX}"
     elif part == "thinker":
         module, ignore = build_on_meta(ThinkerModel, cfg.thinker), ThinkerModel.IGNORED_STATE_PREFIXES
     elif part == "talker":
@@ -53,7 +61,7 @@ def load_part(
     elif part == "code2wav":
         module = build_on_meta(Code2Wav, cfg.code2wav)
     else:
-        raise ValueError(f"part must be thinker, talker, code2wav or audio_tower, got {part!r}")
+        raise ValueError(f"part must be thinker, talker, code2wav, audio_tower or vision, got {part!r}")
     if load_format == "dummy":
         init_dummy_weights(module, seed, dtype, device=device, name_prefix=name_prefix)
     else:

@@ -1,7 +1,9 @@
 """Thinker-side configs (audio encoder, MoE text decoder, token ids), read from the checkpoint's config.json.
 
+The vision tower's config is `vision/config.py` (`ThinkerConfig.vision`).
 Field defaults are the RELEASED Qwen3-Omni-30B-A3B values, not transformers' class defaults (which are
-Qwen2.5-Omni leftovers: e.g. `position_id_per_seconds` 25 vs 13, audio `output_dim` 3584 vs 2048).
+Qwen2.5-Omni leftovers: e.g. `position_id_per_seconds` 25 vs 13, audio `output_dim` and vision
+`out_hidden_size` 3584 vs 2048).
 `from_hf_dict` takes the matching sub-dict of config.json; a missing (or null) key keeps the default
 (the reading rules are in `voice_server/models/hf_config.py`).
 """
@@ -13,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from voice_server.models.hf_config import HFSection, as_section, check_positive, read_head_dim, read_rope
+from voice_server.models.qwen3_omni.vision.config import VisionEncoderConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +123,7 @@ class ThinkerTextConfig:
 class ThinkerConfig:
     audio: AudioEncoderConfig = dataclasses.field(default_factory=AudioEncoderConfig)
     text: ThinkerTextConfig = dataclasses.field(default_factory=ThinkerTextConfig)
+    vision: VisionEncoderConfig = dataclasses.field(default_factory=VisionEncoderConfig)
     audio_token_id: int = 151675
     audio_start_token_id: int = 151669
     audio_end_token_id: int = 151670
@@ -136,6 +140,11 @@ class ThinkerConfig:
                 f"ThinkerConfig.audio.output_dim={self.audio.output_dim} must equal "
                 f"text.hidden_size={self.text.hidden_size} (audio features replace token embeddings)"
             )
+        if self.vision.out_hidden_size != self.text.hidden_size:
+            raise ValueError(
+                f"ThinkerConfig.vision.out_hidden_size={self.vision.out_hidden_size} must equal "
+                f"text.hidden_size={self.text.hidden_size} (image features replace token embeddings)"
+            )
         if not 0 <= self.audio_token_id < self.text.vocab_size:
             raise ValueError(f"ThinkerConfig.audio_token_id={self.audio_token_id} is outside the vocabulary")
 
@@ -145,5 +154,6 @@ class ThinkerConfig:
         return cls(
             audio=AudioEncoderConfig.from_hf_dict(s.sub("audio_config")),
             text=ThinkerTextConfig.from_hf_dict(s.sub("text_config")),
-            **s.read_fields(cls, exclude=("audio", "text")),
+            vision=VisionEncoderConfig.from_hf_dict(s.sub("vision_config")),
+            **s.read_fields(cls, exclude=("audio", "text", "vision")),
         )
