@@ -45,12 +45,14 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
     from voice_server.config.checks import check_environment
     from voice_server.config.errors import one_line
     from voice_server.scheduling import check_schedulers
+    from voice_server.session.twilio.settings import twilio_settings
 
     try:
         cfg = load_pipeline(path)
         budgets = plan_budget(cfg)
         check_schedulers(cfg)
         check_environment(cfg, is_device_check=is_device_check)
+        twilio_settings(cfg)  # NOTE: the `twilio:` tools' own rules (JSON schemas) are the session layer's parser's
     except ConfigError as exc:
         # NOTE: one_line is a last guarantee of one paragraph; messages are built as one line already.
         print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)

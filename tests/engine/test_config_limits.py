@@ -53,8 +53,9 @@ def chain(num_stages: int) -> list[StageConfig]:
 
 def test_every_field_has_a_rule() -> None:
     """A pipeline-level field added without a row in PIPELINE_RULES would go unchecked: fail here."""
-    # NOTE: `voices` is structural, checked in config/voices.py (tests/engine/test_config_voices.py).
-    assert {f.name for f in dataclasses.fields(PipelineConfig)} == set(PIPELINE_RULES) | {"stages", "voices"}
+    # NOTE: `voices` and `twilio` are structural, checked in config/voices.py (tests/engine/test_config_voices.py)
+    # and config/twilio.py (tests/server/test_twilio_config.py).
+    assert {f.name for f in dataclasses.fields(PipelineConfig)} == set(PIPELINE_RULES) | {"stages", "voices", "twilio"}
     assert {f.name for f in dataclasses.fields(StageConfig)} == set(STAGE_RULES) | STRUCTURAL_STAGE_FIELDS
 
 

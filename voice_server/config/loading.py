@@ -21,6 +21,7 @@ from yaml.nodes import CollectionNode, MappingNode, Node, ScalarNode, SequenceNo
 from voice_server.config.errors import ConfigError, fail, one_line, quoted
 from voice_server.config.pipeline import PipelineConfig, StageConfig
 from voice_server.config.topology import check_num_stages
+from voice_server.config.twilio import twilio_from_dict
 from voice_server.config.voices import voices_from_dict
 
 MAX_FILE_BYTES = 1 << 20
@@ -202,6 +203,7 @@ def pipeline_from_dict(raw: Any) -> PipelineConfig:
         stages.append(StageConfig(**kwargs))
     top["stages"] = tuple(stages)
     top["voices"] = voices_from_dict(where, top.get("voices"))
+    top["twilio"] = twilio_from_dict(where, top.get("twilio"))
     top.setdefault("name", name)
     return PipelineConfig(**top)
 

@@ -15,6 +15,7 @@ from voice_server.config.env import check_env, check_process_env, process_env
 from voice_server.config.errors import ConfigError, fail, quoted
 from voice_server.config.fields import Choice, Flag, Number, Rule, Text, check_fields
 from voice_server.config.topology import check_topology, reachable_from
+from voice_server.config.twilio import TwilioConfig
 from voice_server.config.voices import VOICE_NAME_RE, VoiceConfig, check_voices, find_voice
 
 __all__ = ["PIPELINE_RULES", "SCHEDULERS", "STAGE_RULES", "ConfigError", "PipelineConfig", "StageConfig"]
@@ -136,9 +137,9 @@ PIPELINE_RULES: dict[str, Rule] = {
     "max_restart_backoff_s": Number(float, minimum=0.0, is_min_exclusive=True),
     "default_voice": Text(VOICE_NAME_RE, "a voice name", is_empty_allowed=True),
 }
-"""Every pipeline-level field but `stages` and `voices` (`config/voices.py`), with its rule. A new field needs a
-row here (a test checks);
-`Number(..., is_nullable=True)` for limits where null means auto/off."""
+"""Every pipeline-level field but `stages`, `voices` (`config/voices.py`) and `twilio` (`config/twilio.py`), with its
+rule. A new field needs a row here (a test checks); `Number(..., is_nullable=True)` for limits where null means
+auto/off."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +193,9 @@ class PipelineConfig:
     the OpenAI voice names that choose it. None declared: a session's voice name is metadata only."""
     default_voice: str = ""
     """The voice of a session that names none; "" is the first declared."""
+    twilio: TwilioConfig | None = None
+    """What `WS /twilio/media` calls get (instructions, greeting, tools and their webhook: `config/twilio.py`);
+    None: the defaults, no tools."""
 
     def __post_init__(self) -> None:
         where = f"pipeline {quoted(self.name)}"
@@ -203,6 +207,8 @@ class PipelineConfig:
         check_topology(where, self.stages, self.entry_stage)
         check_process_env(self.stages)
         check_voices(where, self.voices, self.default_voice)
+        if self.twilio is not None and not isinstance(self.twilio, TwilioConfig):
+            raise fail(where, "twilio", "must be a TwilioConfig")
         if self.max_relay_bytes is not None and self.max_relay_bytes < self.relay_slab_bytes:
             raise fail(where, "max_relay_bytes", f"must be at least relay_slab_bytes ({self.relay_slab_bytes})")
         if self.max_restart_backoff_s < self.restart_backoff_s:

@@ -36,6 +36,7 @@ from voice_server.logs import flush_rate_limits, install_rate_limit
 from voice_server.server.app import VoiceServer, create_app
 from voice_server.server.http import HttpLimits, bind_socket, protocol_class
 from voice_server.server.session_limits import SessionLimits
+from voice_server.session.twilio.settings import twilio_settings
 
 log = logging.getLogger("voice_server.server")
 EXIT_STOPPED = 0
@@ -143,9 +144,11 @@ async def _serve(cfg: PipelineConfig, options: ServeOptions, stopper: _Stopper) 
     with sock:
         try:
             coordinator = Coordinator(cfg)
+            # NOTE: checked already (`check-config` runs before `serve`): this only builds what the endpoint reads.
+            twilio = twilio_settings(cfg)
         except Exception as exc:
             raise ServeError(f"{type(exc).__name__}: {exc}") from exc
-        app = create_app(coordinator, options.sessions, web_dir=options.web_dir)
+        app = create_app(coordinator, options.sessions, twilio, web_dir=options.web_dir)
         stopper.server = server = _Server(_uvicorn_config(app, options))
         serving = asyncio.ensure_future(_run_http(server, sock))
         try:

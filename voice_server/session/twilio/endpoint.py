@@ -20,6 +20,9 @@ and default voice.
   audio (`PlaybackTracker.on_clear`). The Session then cuts the item to what the caller heard (the
   echoed marks it was given), also when generation had already finished (it runs faster than real
   time) and the audio was still playing at Twilio.
+- Tools: a call with tools (`settings.tools` or `customParameters.tools`) has a webhook (`settings.webhook_of`):
+  each `ToolCalled` is POSTed to it off the session loop, and the results are spoken (`call_tools.py`); a
+  webhook that fails or times out makes the agent say `settings.tool_fallback`.
 - `dtmf` is logged and given to `settings.listener`, which also sees every session event (transcripts,
   call analytics: Twilio has no text channel). `stop` or a dropped socket ends the session: the running
   response is aborted in every stage (`Session.close`).
@@ -46,6 +49,7 @@ from voice_server.session.events import (
 )
 from voice_server.session.pacing import Pacer
 from voice_server.session.twilio.auth import is_authorized
+from voice_server.session.twilio.call_tools import CallTools
 from voice_server.session.twilio.inbound import TWILIO_SAMPLE_RATE
 from voice_server.session.twilio.messages import (
     CLOSE_POLICY_VIOLATION,
@@ -89,7 +93,10 @@ class TwilioConnection:
         self.tracker = PlaybackTracker()
         self.encoder = TwilioAudioEncoder(TWILIO_SAMPLE_RATE)
         self.session: Session | None = None
+        self.tools: CallTools | None = None
         self.is_open = True
+        self.input_lock = asyncio.Lock()
+        """Held while a message is fed to the session: a tool call's answer (`CallTools`) waits for it."""
         self._send_lock = asyncio.Lock()
         self._response_id: str | None = None
         """The response running in the session (between `ResponseStarted` and `ResponseDone`)."""
@@ -120,14 +127,13 @@ class TwilioConnection:
             await self._close(CLOSE_POLICY_VIOLATION, "not authorized")
             return
         try:
-            config = self.settings.session_config(start, coordinator.cfg.turn_detection,
-                                                  coordinator.cfg.default_voice_config)
-            greeting = self.settings.greeting_of(start)
+            config, greeting, webhook = self.settings.open_call(start, coordinator.cfg)
         except ValueError as exc:
             await self._close(CLOSE_POLICY_VIOLATION, str(exc))
             return
         log.info("twilio stream %s: call %s started", start.stream_sid, start.call_sid)
         self.session = Session(coordinator, config, self.emit)
+        self.tools = None if webhook is None else CallTools(webhook, start, self.session, self.input_lock, self.metrics)
         try:
             if greeting:
                 # NOTE: the agent speaks first: a response on the empty conversation, with the call's
@@ -138,6 +144,8 @@ class TwilioConnection:
         finally:
             # NOTE: nothing more is sent once the call is over (not even the aborted reply's tail).
             was_open, self.is_open = self.is_open, False
+            if self.tools is not None:
+                await self.tools.close()  # NOTE: first: a webhook's answer must not start a response now
             await self.session.close()
             await self.pacer.close()
             if was_open:  # NOTE: `stop`: a clean close; a dropped socket or a fatal frame closed already
@@ -177,17 +185,18 @@ class TwilioConnection:
             message = await self._receive()
             if message is None or isinstance(message, TwilioStop):
                 return
-            if isinstance(message, TwilioMedia):
-                await session.on_audio(message.pcm16())
-                self.metrics.count_session(session)
-            elif isinstance(message, TwilioMark):
-                # NOTE: only an echo that moved the played position can change what was heard.
-                if self.tracker.on_mark(message.name):
-                    session.on_playback(int(self.tracker.audio_end_ms))
-            elif isinstance(message, TwilioDtmf):
-                # NOTE: not the digit: callers key in PINs and card numbers; the listener gets it.
-                log.info("twilio stream %s: a key was pressed", self.stream_sid)
-                self._notify(message)
+            async with self.input_lock:
+                if isinstance(message, TwilioMedia):
+                    await session.on_audio(message.pcm16())
+                    self.metrics.count_session(session)
+                elif isinstance(message, TwilioMark):
+                    # NOTE: only an echo that moved the played position can change what was heard.
+                    if self.tracker.on_mark(message.name):
+                        session.on_playback(int(self.tracker.audio_end_ms))
+                elif isinstance(message, TwilioDtmf):
+                    # NOTE: not the digit: callers key in PINs and card numbers; the listener gets it.
+                    log.info("twilio stream %s: a key was pressed", self.stream_sid)
+                    self._notify(message)
 
     # -- session events -> Twilio ----------------------------------------------------------------------
 
@@ -200,6 +209,8 @@ class TwilioConnection:
             self.metrics.observe(event)
 
     async def _handle(self, event: SessionEvent) -> None:
+        if self.tools is not None:
+            self.tools.on_event(event)
         if isinstance(event, SpeechStarted):
             await self._on_speech_started()
         elif isinstance(event, ResponsePaused):
