@@ -77,7 +77,7 @@ class MRoPE(torch.nn.Module):
             cos_table, sin_table = self.signed_table(num_positions, positions.device, dtype)
             cos, sin = cos_table[positions], sin_table[positions]
         else:
-            # NOTE: distinct t/h/w positions (vision, not built yet) are computed per step.
+            # NOTE: distinct t/h/w positions (images, videos; float32 for fractional video times) per step.
             cos3, sin3 = self(positions[:, None], dtype)
             cos, sin = cos3[0], signed_sin(sin3[0])
         return cos[None, None], sin[None, None]

@@ -26,7 +26,8 @@ from voice_server.models.qwen3_omni.talker.prefill import (
 )
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
-from voice_server.models.qwen3_omni.thinker.rope import decode_position_ids, get_rope_index
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, decode_position_ids, get_rope_index
+from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class TurnModels:
 class ThinkerTurn:
     text_ids: torch.Tensor  # [1, prompt + generated] (HF `sequences`)
     consumed_ids: torch.Tensor  # [S]: tokens the thinker was fed (the last generated one never is)
-    inputs_embeds: torch.Tensor  # [S, D]: its input embeddings, audio features merged in
+    inputs_embeds: torch.Tensor  # [S, D]: its input embeddings, audio / image / video features merged in
     accepted_hidden: torch.Tensor  # [S, D]: its hidden state at the talker's accept_hidden_layer
 
 
@@ -88,6 +89,21 @@ def turn_token_ids(cfg: Qwen3OmniConfig) -> TurnTokenIds:
     )
 
 
+def talker_rope_layout(cfg: Qwen3OmniConfig) -> RopeLayout:
+    """The talker's M-RoPE layout: its own placeholder ids, the rest from the thinker's config.
+
+    NOTE: transformers reads vision_start / audio_start, spatial_merge_size and position_id_per_seconds
+    from the talker's config; `TalkerConfig` does not hold them yet, so the thinker's values stand in
+    (equal in the tiny preset)."""
+    th, tk = cfg.thinker, cfg.talker
+    return RopeLayout(
+        audio_token_id=tk.audio_token_id, image_token_id=tk.image_token_id, video_token_id=tk.video_token_id,
+        audio_start_token_id=th.audio_start_token_id, vision_start_token_id=th.vision_start_token_id,
+        spatial_merge_size=th.vision.spatial_merge_size, position_id_per_seconds=th.position_id_per_seconds,
+        audio_n_window=th.audio.n_window,
+    )
+
+
 def load_turn_models(
     ckpt_dir: str | Path | None,
     dtype: torch.dtype = torch.float32,
@@ -119,8 +135,11 @@ def run_greedy_thinker(
     max_new_tokens: int,
     input_features: torch.Tensor | None = None,
     feature_lens: torch.Tensor | None = None,
+    visual: VisualInputs | None = None,
 ) -> ThinkerTurn:
-    """Greedy thinker decode of one sequence until `eos_token_id` (kept) or `max_new_tokens`."""
+    """Greedy thinker decode of one sequence until `eos_token_id` (kept) or `max_new_tokens`.
+
+    `visual`: the prompt's images / videos as the vision tower gave them (`VisualInputs.encode`)."""
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, L], got {tuple(input_ids.shape)}")
     if max_new_tokens < 1:
@@ -131,8 +150,11 @@ def run_greedy_thinker(
             raise ValueError("input_features needs feature_lens")
         audio = thinker.encode_audio(input_features, feature_lens)
     kv_cache = KVCache(thinker.cfg.text.num_hidden_layers)
-    positions, deltas = get_rope_index(input_ids, thinker.cfg, audio_feature_lens=feature_lens)
-    out = thinker(input_ids, positions, kv_cache, audio_embeds=audio, accept_hidden_layer=accept_hidden_layer)
+    grids = {} if visual is None else visual.rope_grids()
+    positions, deltas = get_rope_index(input_ids, thinker.cfg, audio_feature_lens=feature_lens, **grids)
+    out = thinker(
+        input_ids, positions, kv_cache, audio_embeds=audio, accept_hidden_layer=accept_hidden_layer, visual=visual
+    )
     embeds, hiddens, generated = [out.inputs_embeds[0]], [out.accepted_hidden], []
     for step in range(max_new_tokens):
         next_id = out.logits[:, -1].float().argmax(-1, keepdim=True)  # [1, 1]
@@ -177,24 +199,27 @@ def run_greedy_turn(
     feature_lens: torch.Tensor | None = None,
     speaker: str = "ethan",
     eos_token_id: int | None = None,
+    visual: VisualInputs | None = None,
 ) -> TurnResult:
     """One greedy turn for input_ids [1, L] (the chat prompt ending in `<|im_start|>assistant\\n`).
 
     Audio input: `input_features` packed log-mel [num_mel_bins, sum(feature_lens)] (`MelFeatures.packed`)
-    and `feature_lens` [num_clips], with matching audio blocks in the prompt. The thinker stops at
+    and `feature_lens` [num_clips], with matching audio blocks in the prompt. Images / videos: `visual`
+    (`VisualInputs.encode` with the vision tower), with matching blocks in the prompt. The thinker stops at
     `eos_token_id` (default `<|im_end|>`); the talker at codec EOS or after `max_codec_frames` full frames
     (HF's `talker_max_new_tokens` = max_codec_frames + 1, since its last token never gets its residual codes).
     """
     cfg = models.cfg
     eos = cfg.im_end_token_id if eos_token_id is None else eos_token_id
     turn = run_greedy_thinker(
-        models.thinker, input_ids, cfg.talker.accept_hidden_layer, eos, max_new_tokens, input_features, feature_lens
+        models.thinker, input_ids, cfg.talker.accept_hidden_layer, eos, max_new_tokens, input_features, feature_lens,
+        visual,
     )
     special = torch.tensor(turn_token_ids(cfg).tts_special_ids, device=input_ids.device)
     tts_embeds = models.thinker.model.language_model.embed_tokens(special)
     prefill = build_talker_prefill(
         models.talker, turn_token_ids(cfg), turn.consumed_ids, input_ids.shape[1], turn.inputs_embeds,
-        turn.accepted_hidden, tts_embeds, speaker,
+        turn.accepted_hidden, tts_embeds, speaker, visual, talker_rope_layout(cfg),
     )
     frames = generate_frames(models.talker, prefill, max_codec_frames, TalkerSampling())
     num_groups = cfg.talker.num_code_groups

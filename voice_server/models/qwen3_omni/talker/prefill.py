@@ -8,6 +8,9 @@ placeholders get `hidden_projection(thinker hidden at accept_hidden_layer)`. The
 text stream [`<|im_start|>`, `assistant`, `\\n`, tts_pad x4, tts_bos, reply token 1] to a codec stream
 [0, 0, 0, nothink, think_bos, think_eos, speaker, codec_pad, codec_bos]. Reply tokens 2.. (then tts_eos)
 are the trailing text vectors the decode steps add, one per step, then tts_pad forever.
+Positions are 0..L-1 on all three axes, except with images / videos: then transformers runs its M-RoPE
+walk (`thinker.rope.get_rope_index`, with the talker's own ids and scales) over the talker's input ids,
+so vision placeholders get their grid positions here too.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any, NamedTuple
 import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, get_rope_index
+from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 
 NUM_ASSISTANT_PREFILL = 9
 
@@ -90,6 +95,8 @@ def build_talker_prefill(
     thinker_hidden: torch.Tensor,
     tts_embeds: torch.Tensor,
     speaker: str,
+    visual: VisualInputs | None = None,
+    rope_layout: RopeLayout | None = None,
 ) -> TalkerPrefill:
     """Build the prefill for one sequence.
 
@@ -97,6 +104,8 @@ def build_talker_prefill(
     feeds the last generated token, so it is not part of the talker text). thinker_embed [S, D]: the
     thinker's input embeddings (multimodal features merged in); thinker_hidden [S, D]: its hidden state
     at `accept_hidden_layer`. tts_embeds [3, D]: thinker input embeddings of (tts_bos, tts_eos, tts_pad).
+    With images or videos, `visual` gives their grids (its features are not read) and `rope_layout` the
+    talker's placeholder ids and scales (transformers reads them from the talker's config).
     """
     if token_ids.ndim != 1 or not token_ids.shape[0] == thinker_embed.shape[0] == thinker_hidden.shape[0]:
         raise ValueError("token_ids [S], thinker_embed [S, D] and thinker_hidden [S, D] must agree on S")
@@ -112,9 +121,6 @@ def build_talker_prefill(
     role = prompt[(last_im_start + 1).clamp_max(prompt_len - 1)]
     user_pos = positions[role == ids.user]
     user_mm = is_multimodal[user_pos]
-    if (token_ids[user_pos] == ids.image).any() or (token_ids[user_pos] == ids.video).any():
-        # NOTE: HF gives vision placeholders 3-D grid positions in the talker; not built here.
-        raise NotImplementedError("image/video input: talker vision rope positions are not implemented")
     user_part = torch.empty(len(user_pos), cfg.hidden_size, dtype=dtype, device=embed.device)
     user_part[user_mm] = talker.hidden_projection(hidden[user_pos[user_mm]])
     user_part[~user_mm] = talker.text_projection(embed[user_pos[~user_mm]])
@@ -140,8 +146,26 @@ def build_talker_prefill(
     inputs_embeds = torch.cat((user_part, text_stream + codec_stream))[None]
     trailing = torch.cat((assistant[4:], tts_eos))[None]
 
-    seq_len = inputs_embeds.shape[1]
     input_ids = torch.cat((token_ids[user_pos], token_ids.new_full((NUM_ASSISTANT_PREFILL,), ids.tts_pad)))[None]
-    # NOTE: without vision grids HF's talker positions are 0..L-1 on all three axes (audio included).
-    rope_positions = torch.arange(seq_len, device=embed.device).expand(3, 1, -1)
+    rope_positions = _talker_positions(input_ids, ids, visual, rope_layout)
     return TalkerPrefill(inputs_embeds, rope_positions, trailing, tts_pad[None], input_ids)
+
+
+def _talker_positions(
+    input_ids: torch.Tensor, ids: TurnTokenIds, visual: VisualInputs | None, rope_layout: RopeLayout | None
+) -> torch.Tensor:
+    """[3, 1, L] positions of the talker's input ids [1, L]."""
+    grids = [] if visual is None else [g for g in (visual.image_grid_thw, visual.video_grid_thw) if g is not None]
+    if not any(g.numel() for g in grids):
+        if bool(((input_ids == ids.image) | (input_ids == ids.video)).any()):
+            raise ValueError("the user turns have images or videos: the talker prefill needs their grids (visual)")
+        # NOTE: without vision grids HF's talker positions are 0..L-1 on all three axes (audio included).
+        return torch.arange(input_ids.shape[1], device=input_ids.device).expand(3, 1, -1)
+    if rope_layout is None:
+        raise ValueError("image / video grids need the talker's rope_layout")
+    assert visual is not None
+    positions, _ = get_rope_index(input_ids, rope_layout, **visual.rope_grids())
+    if positions.dtype != torch.long:
+        # NOTE: the talker's rotary takes int64 positions; fractional video frame times would need float32.
+        raise NotImplementedError("a video with fractional frame times in the talker prompt")
+    return positions
