@@ -6,7 +6,9 @@ vocoder would, paced by `step_delay_ms` so a barge-in lands mid-response. The fi
 what the request saw, so tests can check the history: `m<num_messages>a<num_audio_turns>`, then
 `p<words of the last assistant message>` (what the previous reply kept after a truncation), then, where the
 request's params name a talker speaker (a pipeline's voice: `params.talker.speaker`), `s<speaker>`; last,
-`l<RMS level of the last spoken turn's audio, whole dBFS>` (`lnone` without one: what noise reduction left).
+`l<RMS level of the last spoken turn's audio, whole dBFS>` (`lnone` without one: what noise reduction left);
+with `factory_args.vision: true` (a pipeline that sees, for the session layer: `PipelineConfig.takes_images`)
+then `i<num_images>b<their total bytes>`.
 
 Scripted (`factory_args.scripted: true`, for tool calls over `/twilio/media`, where the caller speaks): a spoken
 turn is answered with the request's instructions (its system message), split at ` || ` into one reply per spoken
@@ -36,11 +38,12 @@ TURN_SEPARATOR = " || "
 
 
 class FakeSpeechRunner(Runner[ARBatch, ARResult]):
-    def __init__(self, step_delay_s: float, is_scripted: bool = False) -> None:
+    def __init__(self, step_delay_s: float, is_scripted: bool = False, is_vision: bool = False) -> None:
         self.ar_spec = ARSpec(num_pages=256, page_size=16, max_model_len=4096,
                               eos_token_ids=(EOS,) if is_scripted else ())
         self.step_delay_s = step_delay_s
         self.is_scripted = is_scripted
+        self.is_vision = is_vision
         self.first_words: dict[str, list[str]] = {}
         """Request id -> its first words (scripted: every delta of its reply)."""
 
@@ -60,6 +63,10 @@ class FakeSpeechRunner(Runner[ARBatch, ARResult]):
         if isinstance(talker, dict) and "speaker" in talker:
             words.append(f"s{talker['speaker']}")
         words.append(f"l{level_db(next((m['audio'] for m in reversed(messages) if m.get('audio') is not None), None))}")
+        if self.is_vision:
+            # NOTE: the images it was given, and their bytes: what arrived is what the client sent.
+            images = [image for m in messages for image in m.get("images", [])]
+            words.append(f"i{len(images)}b{sum(len(image) for image in images)}")
         self.first_words[item.request_id] = words
         return WorkItem(item.request_id, item.kind, {"token_ids": [1, 2, 3]}, item.params, item.seq)
 
@@ -112,4 +119,5 @@ def tone(index: int) -> np.ndarray:
 
 def create_fake_speech(ctx: StageContext) -> FakeSpeechRunner:
     args: dict[str, Any] = ctx.args
-    return FakeSpeechRunner(float(args.get("step_delay_ms", 0.0)) / 1000.0, bool(args.get("scripted", False)))
+    return FakeSpeechRunner(float(args.get("step_delay_ms", 0.0)) / 1000.0, bool(args.get("scripted", False)),
+                            bool(args.get("vision", False)))

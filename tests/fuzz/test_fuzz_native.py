@@ -14,7 +14,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from voice_server.session.config import SessionConfig
-from voice_server.session.native import read_start
+from voice_server.session.native_messages import read_start
 from voice_server.session.turn_config import TurnDetectionConfig
 
 VAD_KEYS = ["type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",

@@ -146,8 +146,11 @@ BAD_EVENTS: list[tuple[str | bytes, str, str | None, str | None]] = [
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": []}}',
      "invalid_value", "item.content", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
-     '[{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}}', "unsupported",
-     "item.content[0].type", None),
+     '[{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}}', "invalid_value",
+     "item.content[0].image_url", None),
+    ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '
+     '[{"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "max"}]}}', "invalid_value",
+     "item.content[0].detail", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "assistant", "content": '
      '[{"type": "input_audio", "audio": "AAAA"}]}}', "invalid_value", "item.content[0].type", None),
     ('{"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": '

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from voice_server.config import pipeline_from_dict
-from voice_server.session.native import read_start
+from voice_server.session.native_messages import read_start
 from voice_server.session.realtime import DEFAULT_SESSION
 from voice_server.session.realtime.adapt import core_config
 from voice_server.session.realtime.capabilities import capabilities

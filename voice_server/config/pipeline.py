@@ -225,6 +225,12 @@ class PipelineConfig:
     def entry_stage(self) -> str:
         return self.entry or self.stages[0].name
 
+    @property
+    def takes_images(self) -> bool:
+        """Its entry stage runs a vision encoder (`factory_args.vision: true`, `voice_server/stages/audio_encoder.py`):
+        sessions may send images; elsewhere they are refused as unsupported."""
+        return self.stage(self.entry_stage).factory_args.get("vision") is True
+
     @cached_property
     def _by_name(self) -> dict[str, StageConfig]:
         # NOTE: cached_property writes the instance __dict__ directly, so it works on a frozen dataclass.

@@ -48,6 +48,8 @@ class Item:
     call: ToolCall | None = None
     """A `function_call` item's call; a `function_call_output` item names it by `call.call_id` (its
     name and arguments empty) and carries the output as `text`."""
+    images: tuple[bytes, ...] = ()
+    """User images, encoded (PNG or JPEG, checked by `voice_server/session/images.py`), before the text."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -58,6 +60,8 @@ class Item:
             is_valid = self.call is not None and self.role == ("assistant" if self.kind == "function_call" else "tool")
         if self.kind not in KINDS or not is_valid:
             raise ValueError(f"item: a {self.kind!r} item with role {self.role!r} and call {self.call!r}")
+        if self.images and (self.role != "user" or self.kind != "message"):
+            raise ValueError(f"item: images belong to user messages, not a {self.role} {self.kind}")
 
 
 @dataclass
@@ -124,6 +128,8 @@ class Conversation:
                 # NOTE: a transcribed turn travels as its transcript: only a pipeline that transcribes
                 # sets one, and it would transcribe the audio again.
                 message["audio"] = item.audio
+            if item.images:
+                message["images"] = list(item.images)
             messages.append(message)
         return messages
 

@@ -8,12 +8,14 @@
    pipeline declares none); `params` go with every request, e.g. `{"sampling": {"max_tokens": 64}}`, and may
    not set what a voice sets; `noise_reduction` `near_field`, `far_field` (the same model, RNNoise, on the
    input before turn detection and recognition) or null, the default). The server answers `session.started`
-   (`voice`, and `voices`: the pipeline's; `noise_reduction`).
+   (`voice`, and `voices`: the pipeline's; `noise_reduction`; `images`: whether the pipeline sees).
 2. Then binary frames are mono PCM16 little-endian audio at `input_rate`; text frames are JSON:
    `input.commit`, `input.clear` (manual turns), `text` `{"text", "respond": true}`, `response.create`,
    `response.cancel`, `playback` `{"played_ms"}` (how much of the current response the client has
    played: a barge-in keeps exactly that much in the conversation), `tool_result` `{"call_id", "output",
-   "respond": true}` (a tool call's output; `respond` starts the next response).
+   "respond": true}` (a tool call's output; `respond` starts the next response), `image` `{"image": a PNG or
+   JPEG data URL (or its base64), "text": "", "respond": false}` (a user item with the image, where the
+   pipeline sees: else an `unsupported` error; by default no response: the user asks about it next).
 3. The server sends JSON events `speech_started`, `speech_stopped`, `input_committed`,
    `input_transcript_delta` (`item_id`, `delta`) and `input_transcript_done` (`item_id`, `transcript`)
    where the pipeline transcribes the user, `response_started`, `text_delta`, `tool_call` (`response_id`,
@@ -44,123 +46,26 @@ import numpy as np
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from voice_server.audio import pcm16_from_bytes, pcm16_to_bytes
-from voice_server.audio.denoise import SuppressorUnavailable, check_available
-from voice_server.config.voices import VoiceConfig
-from voice_server.session.config import SessionConfig
 from voice_server.session.connection import ConnectionGuard, ConnectionTracker, Engine, MetricsSource, SessionAdmission
 from voice_server.session.conversation import Item, new_id
 from voice_server.session.core import Session
 from voice_server.session.events import (
     AudioDelta,
-    InputCommitted,
-    InputTranscriptDelta,
-    InputTranscriptDone,
-    ItemTruncated,
     ResponseDone,
     ResponsePaused,
     ResponseResumed,
-    ResponseStarted,
     SessionError,
     SessionEvent,
-    SpeechStarted,
-    SpeechStopped,
-    TextDelta,
-    ToolCalled,
 )
-from voice_server.session.realtime.adapt import tool_params
-from voice_server.session.realtime.errors import FieldError
-from voice_server.session.realtime.tool_fields import check_choice, parse_tool_choice, parse_tools
+from voice_server.session.images import check_image, parse_data_url
+from voice_server.session.native_messages import read_start, to_json
 from voice_server.session.tools import ToolCall
-from voice_server.session.turn_config import TurnDetectionConfig
-from voice_server.session.voices import check_unset, named_voice, with_voice
+from voice_server.session.voices import named_voice
 
 log = logging.getLogger(__name__)
-SERVER_VAD_ONLY_KEYS = ("threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms")
 START_TIMEOUT_S = 10.0
 CLOSE_POLICY = 1008
 ENDPOINT = "native"
-
-
-def read_start(message: Any, default_type: str = "server_vad", voices: tuple[VoiceConfig, ...] = (),
-               default_voice: VoiceConfig | None = None) -> SessionConfig:
-    """The `session.start` message -> the session's config; ValueError naming the field. A
-    `turn_detection` without a `type` (or none at all) is of `default_type`, the pipeline's, unless it
-    names `server_vad`'s own fields. `voices` and `default_voice`: the pipeline's (`named_voice`)."""
-    if not isinstance(message, dict) or message.get("type") != "session.start":
-        raise ValueError("the first message must be JSON {\"type\": \"session.start\", ...}")
-    known = {"type", "input_rate", "output_rate", "instructions", "turn_detection", "params", "tools", "tool_choice",
-             "voice", "noise_reduction"}
-    unknown = sorted(str(k) for k in message if k not in known)
-    if unknown:
-        raise ValueError(f"session.start: unknown field(s) {', '.join(unknown)}")
-    raw_turns = message.get("turn_detection", {})
-    if isinstance(raw_turns, dict) and "type" not in raw_turns:
-        # NOTE: server_vad's own fields without a type mean server_vad (what this protocol took before
-        # semantic_vad existed); otherwise the pipeline's default.
-        is_server = any(key in raw_turns for key in SERVER_VAD_ONLY_KEYS)
-        raw_turns = {"type": "server_vad" if is_server else default_type, **raw_turns}
-    turns = None if raw_turns is None else TurnDetectionConfig.from_openai(raw_turns)
-    params = message.get("params", {})
-    if not isinstance(params, dict):
-        raise ValueError("params: must be an object")
-    if "tools" in params or "tool_choice" in params:
-        raise ValueError("params.tools: give tools and tool_choice in session.start itself (they are checked there)")
-    try:
-        tools = parse_tools(message.get("tools", []), "tools")
-        choice = parse_tool_choice(message.get("tool_choice", "auto"), "tool_choice")
-        check_choice(choice, tools, "tool_choice")
-    except FieldError as exc:
-        raise ValueError(f"{exc.param}: {exc.message}") from exc
-    if tools:
-        params = {**params, **tool_params(tools, choice)}
-    _, voice = named_voice(message.get("voice"), voices, default_voice)
-    if voice is not None:
-        check_unset(params, voice, voices)  # NOTE: like tools: chosen by naming the voice, never set twice
-        params = with_voice(params, voice)
-    config = SessionConfig(input_rate=message.get("input_rate", 24000), output_rate=message.get("output_rate", 24000),
-                           instructions=message.get("instructions", ""), turn_detection=turns,
-                           params=tuple(params.items()), noise_reduction=message.get("noise_reduction"))
-    if config.noise_reduction is not None:
-        try:
-            check_available()
-        except SuppressorUnavailable as exc:
-            raise ValueError(f"noise_reduction: {exc}") from exc
-    return config
-
-
-def to_json(event: SessionEvent) -> dict[str, Any]:
-    if isinstance(event, SpeechStarted):
-        return {"type": "speech_started", "item_id": event.item_id, "audio_start_ms": event.audio_start_ms}
-    if isinstance(event, SpeechStopped):
-        return {"type": "speech_stopped", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
-    if isinstance(event, InputCommitted):
-        committed = {"type": "input_committed", "item_id": event.item_id, "audio_ms": event.num_audio_ms,
-                     "text": event.text}
-        return {**committed, "call_id": event.call_id} if event.call_id else committed
-    if isinstance(event, InputTranscriptDelta):
-        return {"type": "input_transcript_delta", "item_id": event.item_id, "delta": event.delta}
-    if isinstance(event, InputTranscriptDone):
-        return {"type": "input_transcript_done", "item_id": event.item_id, "transcript": event.transcript}
-    if isinstance(event, ResponseStarted):
-        return {"type": "response_started", "response_id": event.response_id, "item_id": event.item_id}
-    if isinstance(event, TextDelta):
-        return {"type": "text_delta", "response_id": event.response_id, "delta": event.delta}
-    if isinstance(event, ResponsePaused):
-        return {"type": "response_paused", "response_id": event.response_id}
-    if isinstance(event, ResponseResumed):
-        return {"type": "response_resumed", "response_id": event.response_id}
-    if isinstance(event, ResponseDone):
-        return {"type": "response_done", "response_id": event.response_id, "item_id": event.item_id,
-                "status": event.status, "text": event.text, "audio_ms": event.num_audio_ms,
-                "timings_ms": event.timings_ms, "usage": event.usage, "error": event.error}
-    if isinstance(event, ToolCalled):
-        call = event.call
-        return {"type": "tool_call", "response_id": event.response_id, "item_id": event.item_id,
-                "call_id": call.call_id, "name": call.name, "arguments": call.arguments}
-    if isinstance(event, ItemTruncated):
-        return {"type": "item_truncated", "item_id": event.item_id, "audio_end_ms": event.audio_end_ms}
-    assert isinstance(event, SessionError)
-    return {"type": "error", "code": event.code, "message": event.message}
 
 
 class NativeConnection:
@@ -209,7 +114,8 @@ class NativeConnection:
         await self.guard.send_text(json.dumps({
             "type": "session.started", "input_rate": config.input_rate, "output_rate": config.output_rate,
             "turn_detection": None if config.turn_detection is None else config.turn_detection.type,
-            "voice": voice, "voices": [v.name for v in cfg.voices], "noise_reduction": config.noise_reduction}))
+            "voice": voice, "voices": [v.name for v in cfg.voices], "noise_reduction": config.noise_reduction,
+            "images": cfg.takes_images}))
         try:
             while self.is_open:
                 message = await self.guard.receive()
@@ -256,6 +162,8 @@ class NativeConnection:
                 await session.create_response()
         elif kind == "tool_result":
             await self._on_tool_result(session, message)
+        elif kind == "image":
+            await self._on_image(session, message)
         elif kind == "response.create":
             self.metrics.turn_ended()
             await session.create_response()
@@ -270,6 +178,27 @@ class NativeConnection:
             session.on_playback(played)
         else:
             await self.error("unknown_event", f"unknown message type {kind!r}")
+
+    async def _on_image(self, session: Session, message: dict[str, Any]) -> None:
+        if not session.coordinator.cfg.takes_images:
+            await self.error("unsupported", "image: this pipeline does not see (its entry stage runs no vision "
+                                            "encoder)")
+            return
+        text, raw = message.get("text", ""), message.get("image")
+        if not isinstance(text, str) or not isinstance(raw, str):
+            await self.error("invalid_value", "image: needs image (a PNG or JPEG data URL, or its base64) and text "
+                                              "(a string, may be empty)")
+            return
+        try:
+            data = parse_data_url(raw if raw.startswith("data:") else f"data:image/png;base64,{raw}")
+            check_image(data)
+        except ValueError as exc:
+            await self.error("invalid_value", f"image: {exc}")
+            return
+        await session.add_item(Item(new_id("item"), "user", text, images=(data,)))
+        if message.get("respond", False):
+            self.metrics.turn_ended()
+            await session.create_response()
 
     async def _on_tool_result(self, session: Session, message: dict[str, Any]) -> None:
         call_id, output = message.get("call_id"), message.get("output")

@@ -214,12 +214,14 @@ def wire_item(item: Item) -> Event:
         if item.kind == "function_call":
             return te.function_call_item(item.item_id, item.call.call_id, item.call.name, item.call.arguments)
         return te.function_call_output_item(item.item_id, item.call.call_id, item.text)
+    # NOTE: images are not echoed (as audio is not): the client has them; a part per image keeps their order.
+    parts = [se.input_image_part() for _ in item.images]
     if item.audio is not None:
-        parts = [se.input_audio_part()]
+        parts.append(se.input_audio_part())
     elif item.role == "assistant":
-        parts = [se.output_text_part(item.text)]
-    else:
-        parts = [se.input_text_part(item.text)]
+        parts.append(se.output_text_part(item.text))
+    elif item.text or not item.images:
+        parts.append(se.input_text_part(item.text))
     return se.message_item(item.item_id, item.role, parts)
 
 

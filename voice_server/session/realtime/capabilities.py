@@ -34,20 +34,25 @@ IGNORED = (
 )
 REFUSED = (
     "session.prompt", "session.type transcription", "tools of type mcp",
-    "conversation.item.create input_image parts", "a message mixing input_audio and input_text parts",
+    "a message mixing input_audio and input_text parts",
     "response.create input (a custom context)",
     "response.create conversation none (out of band)", "a response output format other than the session's",
 )
 
 
+IMAGES = "conversation.item.create input_image parts (PNG/JPEG data URLs)"
+"""Served where the pipeline sees (its entry stage runs a vision encoder), else refused."""
 VOICE = "session.audio.output.voice"
 VOICE_PER_RESPONSE = "response.create voice (that response only)"
 
 
-def capabilities(voices: tuple[VoiceConfig, ...] = (), default: VoiceConfig | None = None) -> dict[str, Any]:
+def capabilities(voices: tuple[VoiceConfig, ...] = (), default: VoiceConfig | None = None,
+                 takes_images: bool = False) -> dict[str, Any]:
     """What is served, ignored and refused; with the pipeline's voices (`voice_server/session/voices.py`) the
     voice is served, and `voices` lists them (each with the OpenAI names that choose it)."""
+    served, refused = (list(SERVED), list(REFUSED))
+    (served if takes_images else refused).append(IMAGES)
     if not voices:
-        return {"served": list(SERVED), "ignored": list(IGNORED), "refused": list(REFUSED)}
-    return {"served": [*SERVED, VOICE, VOICE_PER_RESPONSE], "ignored": [name for name in IGNORED if name != VOICE],
-            "refused": list(REFUSED), "voices": voices_info(voices, default)}
+        return {"served": served, "ignored": list(IGNORED), "refused": refused}
+    return {"served": [*served, VOICE, VOICE_PER_RESPONSE], "ignored": [name for name in IGNORED if name != VOICE],
+            "refused": refused, "voices": voices_info(voices, default)}

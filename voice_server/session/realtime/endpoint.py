@@ -97,7 +97,8 @@ class RealtimeConnection:
         config = DEFAULT_SESSION if cfg.turn_detection == "server_vad" else dataclasses.replace(
             DEFAULT_SESSION, turn_detection=ServerVad(type=cfg.turn_detection))
         self.config = config if default_voice is None else dataclasses.replace(config, voice=default_voice.name)
-        self.vendor_info = capabilities(self.voices, default_voice)
+        self.takes_images = cfg.takes_images
+        self.vendor_info = capabilities(self.voices, default_voice, self.takes_images)
         """What `session.created` says under the vendor key: what this server serves, and its voices."""
         self.session = Session(coordinator, core_config(self.config, self.voices), self.emit)
         self.bridge = Bridge(self.session.conversation, self.config)

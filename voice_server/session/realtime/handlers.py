@@ -7,6 +7,7 @@ handler answers what it refuses with an `error` event (`RealtimeConnection.error
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from voice_server.session.realtime.errors import (
     UNSUPPORTED,
     FieldError,
 )
-from voice_server.session.realtime.payloads import AudioMessageItem, ClientItem
+from voice_server.session.realtime.payloads import AudioMessageItem, ClientItem, MessageItem
 from voice_server.session.realtime.tool_fields import FunctionCallItem, FunctionCallOutputItem, check_choice
 from voice_server.session.tools import ToolCall
 from voice_server.session.voices import UnknownVoice, choose_voice, voice_overrides
@@ -86,6 +87,10 @@ async def on_item_create(conn: RealtimeConnection, event: ce.ConversationItemCre
             await conn.error(UNSUPPORTED, "Items are added at the end of the conversation only: "
                                           "previous_item_id must be the last item's id.", "previous_item_id")
         return
+    if isinstance(event.item, MessageItem | AudioMessageItem) and event.item.images and not conn.takes_images:
+        await conn.error(UNSUPPORTED, "This pipeline does not see: input_image parts are not supported (its "
+                                      "entry stage runs no vision encoder).", "item.content")
+        return
     try:
         item = session_item(event.item, conn)
     except ValueError as exc:
@@ -104,13 +109,14 @@ def session_item(item: ClientItem, conn: RealtimeConnection) -> Item:
     item_id = item.item_id or new_id("item")
     if isinstance(item, AudioMessageItem):
         fmt = conn.config.input_format
-        return speech_item(item_id, pcm16_to_float32(decode_input(item.audio, fmt)), fmt.rate_hz)
+        spoken = speech_item(item_id, pcm16_to_float32(decode_input(item.audio, fmt)), fmt.rate_hz)
+        return dataclasses.replace(spoken, images=item.images)
     if isinstance(item, FunctionCallItem):
         return Item(item_id, "assistant", kind="function_call", call=item.call)
     if isinstance(item, FunctionCallOutputItem):
         # NOTE: an output names its call by id only; the call's name and arguments stay on the call's item.
         return Item(item_id, "tool", item.output, kind="function_call_output", call=ToolCall(item.call_id, "", ""))
-    return Item(item_id, item.role, item.text)
+    return Item(item_id, item.role, item.text, images=item.images)
 
 
 async def on_truncate(conn: RealtimeConnection, event: ce.ConversationItemTruncate) -> None:

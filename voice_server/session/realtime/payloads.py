@@ -1,11 +1,9 @@
 """Payloads of the richer client events: the message of ``conversation.item.create`` and the overrides of
 ``response.create``, with their parsers (which raise FieldError naming the ``param``).
 
-Decisions: text messages (user/system ``input_text``, assistant ``output_text`` or beta ``text``) and the
-function-calling items (``function_call``, ``function_call_output``: `tool_fields.py`) are taken, and a
-user message of ``input_audio`` parts (base64 in the session's input format, decoded by the handler: the
-format may change by ``session.update`` before it is read) is a spoken user turn; ``input_image`` parts,
-audio mixed with text in one message, and other items (MCP) are ``unsupported``. ``response.create``
+Decisions: messages (typed, spoken as ``input_audio`` parts, with ``input_image`` parts: `content_parts.py`)
+and the function-calling items (``function_call``, ``function_call_output``: `tool_fields.py`) are taken;
+other items (MCP) are ``unsupported``. ``response.create``
 accepts ``instructions``, ``tools``, ``tool_choice``, ``output_modalities`` (beta
 ``modalities``), the voice and output format (GA ``audio.output.*``, beta ``voice`` /
 ``output_audio_format``), ``max_output_tokens`` (beta ``max_response_output_tokens``), ``temperature``,
@@ -18,10 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
-from voice_server.audio import b64decode
+from voice_server.session.realtime.content_parts import AudioMessageItem, MessageItem, Role, parse_message
 from voice_server.session.realtime.errors import (
-    AUDIO_TOO_LARGE,
-    INVALID_BASE64,
     UNSUPPORTED,
     FieldError,
     as_choice,
@@ -29,7 +25,6 @@ from voice_server.session.realtime.errors import (
     as_object,
     as_str,
     check_keys,
-    invalid_type,
     invalid_value,
     join,
     require,
@@ -53,42 +48,8 @@ from voice_server.session.realtime.tool_fields import (
 )
 from voice_server.session.tools import Tool
 
-Role = Literal["user", "system", "assistant"]
 MAX_ID_CHARS = 64
 MAX_METADATA_KEYS = 16
-MAX_ITEM_AUDIO_BYTES = 15 * 1024 * 1024
-"""An audio item's bytes, all parts together: OpenAI's limit per ``input_audio_buffer.append``."""
-
-
-@dataclass(frozen=True)
-class MessageItem:
-    """A text message for the conversation: one string per content part, in order."""
-
-    role: Role
-    texts: tuple[str, ...]
-    item_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.role not in ("user", "system", "assistant"):
-            raise ValueError(f"role must be user, system or assistant, got {self.role!r}")
-        if not self.texts:
-            raise ValueError("a message needs at least one content part")
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
-@dataclass(frozen=True)
-class AudioMessageItem:
-    """A spoken user message: its parts' audio bytes joined, in the session's input format."""
-
-    audio: bytes
-    item_id: str | None = None
-
-    def __post_init__(self) -> None:
-        if not self.audio:
-            raise ValueError("an audio message needs audio")
 
 
 @dataclass(frozen=True)
@@ -107,8 +68,6 @@ class ResponseOverrides:
     is_out_of_band: bool = False  # conversation: "none": the response is not added to the conversation
 
 
-_TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": ("output_text", "text")}
-_UNSERVED_PARTS = frozenset({"input_image", "output_audio", "audio"})
 ClientItem = MessageItem | AudioMessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
@@ -125,51 +84,7 @@ def parse_item(raw: object, path: str) -> ClientItem:
                                       "'function_call' and 'function_call_output' are.", join(path, "type"))
     check_keys(item, path, {"type", "role", "content", "id", "object", "status"})
     role = as_choice(require(item, "role", path), join(path, "role"), ("user", "system", "assistant"))
-    content = require(item, "content", path)
-    if not isinstance(content, list):
-        raise invalid_type(join(path, "content"), "an array", content)
-    if not content:
-        raise invalid_value(join(path, "content"), "a message needs at least one content part.")
-    texts: list[str] = []
-    audio: list[bytes] = []
-    for index, part_raw in enumerate(content):
-        part_path = f"{path}.content[{index}]"
-        part = as_object(part_raw, part_path)
-        part_type = as_str(require(part, "type", part_path), join(part_path, "type"))
-        if part_type == "input_audio":
-            if role != "user":
-                raise invalid_value(join(part_path, "type"), "input_audio parts belong to user messages.")
-            audio.append(_part_audio(part, part_path, sum(map(len, audio))))
-            continue
-        if part_type in _UNSERVED_PARTS:
-            raise FieldError(UNSUPPORTED, f"Content parts of type '{part_type}' are not supported in "
-                                          f"conversation.item.create; send text.", join(part_path, "type"))
-        as_choice(part_type, join(part_path, "type"), _TEXT_PARTS[role])
-        check_keys(part, part_path, {"type", "text"})
-        texts.append(as_str(require(part, "text", part_path), join(part_path, "text")))
-    if audio and texts:
-        raise FieldError(UNSUPPORTED, "A message is either spoken (input_audio parts) or typed (input_text parts) "
-                                      "here, not both; send two items.", join(path, "content"))
-    if audio:
-        if not any(audio):
-            raise invalid_value(join(path, "content"), "the input_audio parts hold no audio.")
-        return AudioMessageItem(b"".join(audio), item_id)
-    return MessageItem(cast(Role, role), tuple(texts), item_id)
-
-
-def _part_audio(part: Mapping[str, Any], path: str, num_bytes_before: int) -> bytes:
-    """One ``input_audio`` part's bytes. NOTE: a client's ``transcript`` is accepted and not used ("not sent to
-    the model", OpenAI says); a transcribing pipeline writes the item's own transcript."""
-    check_keys(part, path, {"type", "audio", "transcript"})
-    payload = as_str(require(part, "audio", path), join(path, "audio"))
-    # NOTE: base64 length bounds the decoded size, so oversize audio is refused without decoding it.
-    if num_bytes_before + len(payload) // 4 * 3 > MAX_ITEM_AUDIO_BYTES + 2:
-        raise FieldError(AUDIO_TOO_LARGE, f"An audio item is at most {MAX_ITEM_AUDIO_BYTES} bytes of audio.",
-                         join(path, "audio"))
-    try:
-        return b64decode(payload)
-    except ValueError as exc:
-        raise FieldError(INVALID_BASE64, f"Invalid 'audio': {exc}.", join(path, "audio")) from exc
+    return parse_message(cast(Role, role), require(item, "content", path), join(path, "content"), item_id)
 
 
 def parse_response_overrides(raw: object, path: str) -> ResponseOverrides:

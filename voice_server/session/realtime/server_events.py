@@ -100,6 +100,10 @@ def input_audio_part(transcript: str | None = None) -> dict[str, Any]:
     return {"type": "input_audio", "transcript": transcript}
 
 
+def input_image_part() -> dict[str, Any]:
+    return {"type": "input_image"}
+
+
 def output_audio_part(transcript: str = "") -> dict[str, Any]:
     return {"type": "output_audio", "transcript": transcript}
 
