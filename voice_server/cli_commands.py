@@ -42,6 +42,7 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
     unexpected failure of the checker itself (`--traceback` shows where).
     """
     from voice_server.config import ConfigError, format_budget, load_pipeline, plan_budget
+    from voice_server.config.budget import plan_memory
     from voice_server.config.checks import check_environment
     from voice_server.config.errors import one_line
     from voice_server.scheduling import check_schedulers
@@ -65,7 +66,7 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
         return 1
     print(describe_topology(cfg))
     print()
-    print(format_budget(budgets))
+    print(format_budget(budgets, plan_memory(cfg)))
     if not is_device_check and any(s.device != "cpu" for s in cfg.stages):
         print("\nnote: --skip-device-check: this host was not checked for the cuda devices above")
     return 0

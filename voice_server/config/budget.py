@@ -2,14 +2,23 @@
 
 The launcher sums the declarations per device and refuses to start when any device is
 over-committed, before a single process is spawned.
+
+`plan_memory` says what each budget holds, for `check-config`'s report: a stage's factory module may
+define `stage_memory(stage, pipeline) -> StageMemory`, which counts the stage's weights from its model
+config (on the meta device: nothing is loaded) and names its activation budget or reserve and, for an
+AR stage, its KV cache's bytes per token (the cache takes the rest of the budget). The Qwen3-Omni
+stages define it (`voice_server/stages/omni_parts.py`).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from voice_server.config.pipeline import ConfigError, PipelineConfig
+from voice_server.config.errors import one_line
+from voice_server.config.pipeline import ConfigError, PipelineConfig, StageConfig
 
 # NOTE: fractions are user-written decimals; allow float noise (0.1 * 10 != 1.0 exactly).
 _EPS = 1e-9
@@ -84,14 +93,92 @@ def plan_budget(cfg: PipelineConfig) -> list[StageBudget]:
     ]
 
 
-def format_budget(budgets: list[StageBudget]) -> str:
-    rows = [("stage", "device", "fraction", "budget")]
+@dataclass(frozen=True)
+class StageMemory:
+    """What a stage's budget holds, as its factory module plans it (`stage_memory`)."""
+
+    weight_bytes: int
+    activation_bytes: int | None = None
+    """An encoder's activation budget (the most one forward holds), or an AR stage's activation
+    reserve for its steps; None when the stage plans none."""
+    kv_bytes_per_token: int | None = None
+    """An AR stage's KV cache, which takes what the budget leaves after weights and activations."""
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bytes", "activation_bytes", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"StageMemory.{name} must be an integer >= 0 or None, got {value!r}")
+
+
+StageMemoryHook = Callable[[StageConfig, PipelineConfig], StageMemory]
+"""A factory module's `stage_memory`: reads the stage's factory_args (ConfigError naming a bad one)."""
+MemoryPlan = Mapping[str, StageMemory | str]
+"""Stage name -> its StageMemory, or why it has none (no `stage_memory` hook, or what the hook refused)."""
+
+
+def plan_memory(cfg: PipelineConfig) -> dict[str, StageMemory | str]:
+    """Each stage's `stage_memory`, from its factory module (imported here: call it where torch may load)."""
+    from voice_server.config.checks import resolve_factory
+
+    plan: dict[str, StageMemory | str] = {}
+    for stage in cfg.stages:
+        try:
+            resolve_factory(stage)  # NOTE: imports the module, or raises a ConfigError saying why it cannot
+            module = importlib.import_module(stage.factory.partition(":")[0])
+            hook: StageMemoryHook | None = getattr(module, "stage_memory", None)
+            plan[stage.name] = "not planned by its factory" if hook is None else hook(stage, cfg)
+        except ConfigError as exc:
+            # NOTE: e.g. a checkpoint folder not on this host: the launch refuses it; the report says why.
+            plan[stage.name] = one_line(str(exc), max_len=300)
+    return plan
+
+
+_DASH = "-"
+
+
+def _size(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return _DASH
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB"
+
+
+def _kv(budget: StageBudget, memory: StageMemory) -> str:
+    """An AR stage's KV cache: what its budget leaves after weights and activations."""
+    if memory.kv_bytes_per_token is None:
+        return _DASH
+    per_token = f"{memory.kv_bytes_per_token / 2**10:g} KiB/token"
+    if budget.num_bytes is None:
+        return f"the rest ({per_token})"
+    kv_bytes = budget.num_bytes - memory.weight_bytes - (memory.activation_bytes or 0)
+    if kv_bytes <= 0:
+        return f"none: weights and activations exceed the budget ({per_token})"
+    return f"{_size(kv_bytes)} ({kv_bytes // memory.kv_bytes_per_token} tokens)"
+
+
+def format_budget(budgets: list[StageBudget], memory: MemoryPlan | None = None) -> str:
+    """The budget table; with `memory` (`plan_memory`), also each stage's weights, activations and KV."""
+    head = ("stage", "device", "fraction", "budget")
+    rows: list[tuple[str, ...]] = [head + (("weights", "activations", "KV cache") if memory is not None else ())]
+    notes: list[str] = []
     for b in budgets:
         size = f"{b.num_bytes / 2**30:.2f} GiB" if b.num_bytes is not None else "(resolved on device)"
-        rows.append((b.stage, b.device, f"{b.fraction:g}", size))
+        row: tuple[str, ...] = (b.stage, b.device, f"{b.fraction:g}", size)
+        if memory is not None:
+            planned = memory.get(b.stage, "not planned")
+            if isinstance(planned, StageMemory):
+                row += (_size(planned.weight_bytes), _size(planned.activation_bytes), _kv(b, planned))
+            else:
+                row += ("?", "?", "?")
+                notes.append(f"{b.stage}: {planned}")
+        rows.append(row)
     devices = sorted({b.device for b in budgets})
     for device in devices:
         total = sum(b.fraction for b in budgets if b.device == device)
         rows.append((f"total {device}", device, f"{total:g}", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines + [f"  ({note})" for note in notes])

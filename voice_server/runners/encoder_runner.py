@@ -1,25 +1,44 @@
-"""Audio encoder runner (`simple` scheduler): raw audio in, the thinker's audio embeddings out.
+"""Audio encoder runner (`simple` scheduler): raw audio, images and video in; the thinker's embeddings out.
 
 The entry stage of the Qwen3-Omni pipeline. NEW payload:
 
-    {"token_ids": [...], "audio": [clip, ...], ...any other keys}
+    {"token_ids": [...], "audio": [clip, ...], "images": [image, ...], "videos": [video, ...], ...any other keys}
 
 - each clip is float32 PCM at 16 kHz (a 1-D array or tensor) or `{"features": [num_mel_bins, frames]
   float32}` (precomputed log-mel), in prompt order; clips are finite, non-empty, at least
   `LogMelFrontEnd.min_num_samples` samples and at most the stage's `max_audio_seconds`.
-- each audio block of `token_ids` is `audio_start, audio..., audio_end` with exactly one `audio`
-  placeholder or already the clip's exact `num_audio_tokens`; one block per clip.
+- each image is encoded bytes (PNG, JPEG, WEBP, GIF, BMP) or an HxW / HxWxC uint8 array, each video
+  `{"frames": [T, H, W, C] uint8 array, "fps": number}`, in prompt order; they are preprocessed as the
+  model's processors do (`voice_server/models/qwen3_omni/vision/preprocess.py`, `video.py`: resized to
+  multiples of patch_size * merge, a video sampled at 2 fps). Only a stage built with `vision: true`
+  takes them; elsewhere a request with any is refused ("this pipeline does not take images").
+- each audio block of `token_ids` is `audio_start, audio..., audio_end`, each image block
+  `vision_start, image..., vision_end` and each video block `vision_start, video..., vision_end`, with
+  exactly one placeholder or already the item's exact token count (a clip's `num_audio_tokens`, an
+  image's or video's t * h * w / merge**2); one block per item, in order (`prompt_blocks.py`).
 
 RESULT payload (to the `next` stage, the thinker): the same keys, except that `audio` is replaced
 by `audio_embeds` (float [sum N_i, thinker hidden], clips in order), `audio_token_counts` ([N_i])
-is added and each block's placeholder run is expanded to its clip's N_i in `token_ids`. A request
-without audio (no `audio` key, or an empty list, which is dropped) passes through with no forward.
-Malformed input is refused at `admit` with an `AdmissionError` naming the field (`payload.audio[2]`).
+is added and each block's placeholder run is expanded to its item's count in `token_ids`. With images
+or videos, `images`/`videos` are replaced by (`vision_input.py`):
+- `visual_embeds` [sum M_j, out_hidden]: every image's and video's rows in prompt order, i.e. the rows
+  of the image and video placeholders of `token_ids` in the order they appear;
+- `visual_deepstack` [num_deepstack, sum M_j, out_hidden]: the DeepStack features of those same rows,
+  one per `deepstack_visual_indexes` block in order (the thinker adds feature k after decoder layer k);
+- `image_grid_thw`, `video_grid_thw`: [[t, h, w], ...] in patches, per image / per video in prompt
+  order (M_j = t * h * w / merge**2; the thinker's M-RoPE reads h / merge x w / merge positions per
+  temporal patch); `video_second_per_grid` [float]: seconds per temporal patch of each video.
+A request without audio or vision (no such key, or empty lists, which are dropped) passes through
+with no forward. Malformed input is refused at `admit` with an `AdmissionError` naming the field
+(`payload.audio[2]`, `payload.images[0]`), as is an image or video one frame of which needs more
+activation memory than the stage's budget (`activation_budget_mb`); the other requests of its batch
+run. `execute` runs one audio forward per batch and the vision forwards `vision_plan.py` packs the
+batch's frames into, each within the budget, a long video split along time.
 
-A payload `{"messages": [{"role", "content", "audio"?}], ...}` (what the session layer sends) is
-first turned into `token_ids` and `audio` by the stage's chat template (`models/qwen3_omni/chat.py`),
-when the stage has one (a tokenizer, or the tiny preset's stand-in), with the functions of `params["tools"]`
-(`models/chat_tools.py`).
+A payload `{"messages": [{"role", "content", "audio"?, "images"?, "videos"?}], ...}` (what the session
+layer sends) is first turned into `token_ids`, `audio`, `images` and `videos` by the stage's chat
+template (`models/qwen3_omni/chat.py`), when the stage has one (a tokenizer, or the tiny preset's
+stand-in), with the functions of `params["tools"]` (`models/chat_tools.py`).
 """
 
 from __future__ import annotations
@@ -36,7 +55,17 @@ import torch
 from voice_server.models.chat_tools import Tool, request_tools
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder, num_audio_tokens
 from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
+from voice_server.models.qwen3_omni.chat import ChatPrompt
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
+from voice_server.models.qwen3_omni.vision.encoder import VisionEncoder
+from voice_server.runners.prompt_blocks import Block, BlockKind, checked_token_ids, expand_blocks, find_blocks
+from voice_server.runners.vision_input import (
+    VISION_KEYS,
+    AdmittedVision,
+    VisionInputConfig,
+    admit_vision,
+    encode_vision,
+)
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkItem
 from voice_server.scheduling.base import WorkKind
 
@@ -77,6 +106,11 @@ class AudioEncoderRunnerConfig:
     def max_num_samples(self) -> int:
         return int(self.max_audio_seconds * SAMPLING_RATE)
 
+    @property
+    def block_kind(self) -> BlockKind:
+        return BlockKind("audio", "clip", "audio", self.audio_start_token_id, self.audio_token_id,
+                         self.audio_end_token_id)
+
 
 @dataclass(frozen=True)
 class AdmittedAudio:
@@ -96,22 +130,28 @@ class AdmittedAudio:
 
 
 class ChatTemplate(Protocol):
-    """messages (and the request's checked tools) -> (token ids, audio clips); ValueError naming the field."""
+    """messages (and the request's checked tools) -> the prompt and its items; ValueError naming the field."""
 
-    def __call__(self, messages: Any, *, tools: Sequence[Tool] = ...) -> tuple[list[int], list[Any]]: ...
+    def __call__(self, messages: Any, *, tools: Sequence[Tool] = ...) -> ChatPrompt: ...
 
 
 class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
     def __init__(
-        self, tower: AudioEncoder, config: AudioEncoderRunnerConfig, chat: ChatTemplate | None = None
+        self, tower: AudioEncoder, config: AudioEncoderRunnerConfig, chat: ChatTemplate | None = None,
+        vision_tower: VisionEncoder | None = None, vision_config: VisionInputConfig | None = None,
     ) -> None:
         if tower.cfg.num_mel_bins != config.num_mel_bins or tower.cfg.n_window != config.n_window:
             raise ValueError("AudioEncoderRunner: the config's num_mel_bins/n_window differ from the tower's")
+        if (vision_tower is None) != (vision_config is None) or (
+                vision_tower is not None and vision_config is not None and vision_tower.cfg != vision_config.tower):
+            raise ValueError("AudioEncoderRunner: give both vision_tower and vision_config, of the same tower config")
         self.tower = tower.eval()
         self.config = config
         self.front_end = LogMelFrontEnd(num_mel_bins=config.num_mel_bins, sampling_rate=SAMPLING_RATE)
         self.device = next(tower.parameters()).device
         self.chat = chat
+        self.vision_tower = None if vision_tower is None else vision_tower.eval()
+        self.vision_config = vision_config
 
     # -- admission -------------------------------------------------------------------------------
 
@@ -123,49 +163,50 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
             raise AdmissionError(f"payload: must be a mapping, got {type(payload).__name__}")
         if "messages" in payload:
             return self.admit(dataclasses.replace(item, payload=self._from_messages(payload, item.params)))
+        admitted = admit_vision(self._admit_audio(payload), self.vision_config)
+        return item if admitted is payload else dataclasses.replace(item, payload=admitted)
+
+    def _admit_audio(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` with `audio` checked and replaced by an AdmittedAudio and its audio blocks expanded;
+        the same object when it has none."""
         raw = payload.get("audio")
         if raw is None or (isinstance(raw, list | tuple) and not raw):
-            if isinstance(payload.get("token_ids"), list) and self._audio_runs(payload["token_ids"]):
+            if isinstance(payload.get("token_ids"), list) and self._audio_blocks(payload["token_ids"]):
                 raise AdmissionError("payload.audio: the prompt has audio blocks but no audio clips were given")
-            return item if raw is None else dataclasses.replace(item, payload=_without_audio(payload))
+            return payload if raw is None else _without_audio(payload)
         if not isinstance(raw, list | tuple):
             raise AdmissionError(f"payload.audio: must be a list of clips, got {type(raw).__name__}")
         clips = [self._clip(f"payload.audio[{i}]", value) for i, value in enumerate(raw)]
-        token_ids = self._token_ids(payload.get("token_ids"))
-        runs = self._audio_runs(token_ids)
-        if len(runs) != len(clips):
-            raise AdmissionError(f"payload.audio: {len(clips)} clips, but payload.token_ids has {len(runs)} "
+        token_ids = checked_token_ids(payload.get("token_ids"), self.config.vocab_size, "with audio")
+        blocks = self._audio_blocks(token_ids)
+        if len(blocks) != len(clips):
+            raise AdmissionError(f"payload.audio: {len(clips)} clips, but payload.token_ids has {len(blocks)} "
                                  "audio blocks")
         is_features = tuple(c.ndim == 2 for c in clips)
         feature_lens = self._feature_lens(clips, is_features)
         counts = tuple(num_audio_tokens(n, self.config.n_window) for n in feature_lens)
-        expanded: list[int] = []
-        done = 0
-        for i, ((start, run), count) in enumerate(zip(runs, counts)):
-            if run not in (1, count):
-                raise AdmissionError(f"payload.token_ids: audio block {i} has {run} placeholders; "
-                                     f"give 1 or its clip's exact count {count}")
-            expanded += token_ids[done:start] + [self.config.audio_token_id] * count
-            done = start + run
-        expanded += token_ids[done:]
         audio = AdmittedAudio(tuple(clips), is_features, feature_lens, counts)
-        return dataclasses.replace(item, payload={**payload, "token_ids": expanded, "audio": audio})
+        return {**payload, "token_ids": expand_blocks(token_ids, blocks, counts), "audio": audio}
+
+    def _audio_blocks(self, token_ids: list[Any]) -> list[Block]:
+        return find_blocks(token_ids, [self.config.block_kind])
 
     def _from_messages(self, payload: dict[str, Any], params: Any) -> dict[str, Any]:
         if self.chat is None:
             raise AdmissionError("payload.messages: this stage has no tokenizer; send token_ids (and audio)")
-        if "token_ids" in payload or "audio" in payload:
-            raise AdmissionError("payload: give either messages or token_ids with audio, not both")
+        if any(key in payload for key in ("token_ids", "audio", *VISION_KEYS)):
+            raise AdmissionError("payload: give either messages or token_ids with audio, images, videos; not both")
         if not isinstance(params, dict):
             raise AdmissionError(f"params: must be a mapping, got {type(params).__name__}")
         try:
             tools = request_tools(params)
             # NOTE: without tools, the one-argument call every template takes (a stand-in's too)
-            token_ids, clips = self.chat(payload["messages"], tools=tools) if tools else self.chat(payload["messages"])
+            prompt = self.chat(payload["messages"], tools=tools) if tools else self.chat(payload["messages"])
         except ValueError as exc:
             raise AdmissionError(str(exc)) from exc
         rest = {k: v for k, v in payload.items() if k != "messages"}
-        return {**rest, "token_ids": token_ids, **({"audio": clips} if clips else {})}
+        items = {"audio": prompt.audio, "images": prompt.images, "videos": prompt.videos}
+        return {**rest, "token_ids": prompt.token_ids, **{k: v for k, v in items.items() if v}}
 
     def _clip(self, where: str, value: Any) -> torch.Tensor:
         if isinstance(value, dict):
@@ -188,32 +229,6 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
             raise AdmissionError(f"{where}: has non-finite values")
         return clip
 
-    def _token_ids(self, value: Any) -> list[int]:
-        vocab = self.config.vocab_size
-        if not isinstance(value, list) or not all(type(t) is int and 0 <= t < vocab for t in value):
-            raise AdmissionError(f"payload.token_ids: with audio, must be a list of token ids in [0, {vocab})")
-        return value
-
-    def _audio_runs(self, token_ids: list[Any]) -> list[tuple[int, int]]:
-        """(index of the first placeholder, number of placeholders) of each audio block, in order."""
-        cfg, i = self.config, 0
-        runs: list[tuple[int, int]] = []
-        while i < len(token_ids):
-            if token_ids[i] in (cfg.audio_token_id, cfg.audio_end_token_id):
-                raise AdmissionError(f"payload.token_ids[{i}]: audio placeholder or audio_end outside an audio block")
-            if token_ids[i] != cfg.audio_start_token_id:
-                i += 1
-                continue
-            end = i + 1
-            while end < len(token_ids) and token_ids[end] == cfg.audio_token_id:
-                end += 1
-            if end == i + 1 or end == len(token_ids) or token_ids[end] != cfg.audio_end_token_id:
-                raise AdmissionError(f"payload.token_ids[{i}]: audio block {len(runs)} must be audio_start, "
-                                     "audio placeholder(s), audio_end")
-            runs.append((i + 1, end - i - 1))
-            i = end + 1
-        return runs
-
     def _feature_lens(self, clips: list[torch.Tensor], is_features: tuple[bool, ...]) -> tuple[int, ...]:
         num_samples = [c.shape[0] for c, is_feat in zip(clips, is_features) if not is_feat]
         pcm_lens = iter(self.front_end.feature_lens(num_samples) if num_samples else [])
@@ -234,13 +249,21 @@ class AudioEncoderRunner(Runner[SimpleBatch, SimpleResult]):
             # on its batch; they equal the reference's whenever its call holds a clip of >= 1 s.
             tokens = self.tower(features, feature_lens, chunk_pad_len=2 * self.config.n_window)
             embeds = list(tokens.split([sum(a.token_counts) for a in audios]))
+        visions = [v for item in batch.items if isinstance(v := item.payload.get("vision"), AdmittedVision)]
+        vision_rows = []
+        if visions:
+            # NOTE: admission makes an AdmittedVision only on a stage with vision
+            assert self.vision_tower is not None and self.vision_config is not None
+            vision_rows = encode_vision(self.vision_tower, visions, self.vision_config)
         emits = []
         for item in batch.items:
-            audio = item.payload.get("audio")
             payload = item.payload
-            if isinstance(audio, AdmittedAudio):
+            if isinstance(audio := payload.get("audio"), AdmittedAudio):
                 payload = {**_without_audio(payload), "audio_embeds": embeds.pop(0),
                            "audio_token_counts": list(audio.token_counts)}
+            if isinstance(vision := payload.get("vision"), AdmittedVision):
+                rest = {k: v for k, v in payload.items() if k != "vision"}
+                payload = {**rest, **vision.result_fields(*vision_rows.pop(0))}
             emits.append(Emit(item.request_id, EmitKind.RESULT, payload))
         return SimpleResult(tuple(emits))
 

@@ -12,11 +12,13 @@ Stage fields read by the scheduler: `initial_chunk_frames`, `chunk_frames`, `max
 
 from __future__ import annotations
 
+from voice_server.config import PipelineConfig, StageConfig
+from voice_server.config.budget import StageMemory
 from voice_server.config.errors import fail
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.code2wav.model import Code2Wav
 from voice_server.runners.code2wav_runner import Code2WavRunner
-from voice_server.stages.omni_parts import read_omni_args
+from voice_server.stages.omni_parts import check_args, read_omni_args
 
 OWN_ARGS = ("left_context_frames",)
 
@@ -31,3 +33,8 @@ def create_code2wav(ctx: StageContext) -> Code2WavRunner:
         return Code2WavRunner(model, left_context_frames)
     except ValueError as exc:
         raise fail(args.where, "factory_args.left_context_frames", str(exc)) from exc
+
+
+def stage_memory(stage: StageConfig, pipeline: PipelineConfig) -> StageMemory:
+    """The vocoder's weights, for `check-config` (nothing is loaded; its activations are not planned)."""
+    return StageMemory(check_args(stage, pipeline, OWN_ARGS).part_weight_bytes("code2wav"))

@@ -11,6 +11,8 @@ factory_args common to the encoder, thinker, talker and code2wav stages:
 - `num_threads` (null: torch's default): intra-op threads of the stage's process.
 
 A stage module reads its own extra keys after these (`OmniArgs.extra`), so one typo check covers all.
+`check_args` reads them for a memory plan (`stage_memory`, `voice_server/config/budget.py`) without
+building the stage, and `part_weight_bytes` counts a part's weights on the meta device.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.errors import fail, quoted, show
 from voice_server.config.fields import Flag, Number, read_arg
 from voice_server.engine.runtime import StageContext
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
-from voice_server.models.qwen3_omni.loading import Part, load_part
+from voice_server.models.qwen3_omni.loading import Part, build_part_on_meta, load_part
 from voice_server.models.qwen3_omni.presets import tiny_config_dict
 
 COMMON_ARGS = ("checkpoint", "preset", "seed", "dtype", "num_threads")
@@ -56,6 +59,10 @@ class OmniArgs:
             # to the driver so stages sharing the GPU can have them (the KV cache is sized next).
             torch.cuda.empty_cache()
         return module
+
+    def part_weight_bytes(self, part: Part) -> int:
+        """Bytes `load(part)` will hold: its parameters at the stage's dtype (counted on the meta device)."""
+        return sum(p.numel() for p in build_part_on_meta(part, self.cfg).parameters()) * self.dtype.itemsize
 
     def flag_arg(self, key: str, default: bool) -> bool:
         return bool(read_arg(self.where, self.extra, key, Flag(), default))
@@ -109,3 +116,8 @@ def read_omni_args(ctx: StageContext, own_keys: tuple[str, ...] = ()) -> OmniArg
             raise fail(where, "factory_args.checkpoint", str(exc)) from exc
     extra = {k: v for k, v in args.items() if k not in COMMON_ARGS}
     return OmniArgs(where, cfg, path, seed, _DTYPES[dtype_name], stage.device, extra)
+
+
+def check_args(stage: StageConfig, pipeline: PipelineConfig, own_keys: tuple[str, ...] = ()) -> OmniArgs:
+    """`read_omni_args` for a memory plan: the stage is not built (its budget is the launch's business)."""
+    return read_omni_args(StageContext(stage, pipeline, None, "check-config"), own_keys)

@@ -17,15 +17,18 @@ against the model's speakers when the stage loads.
 
 from __future__ import annotations
 
+from voice_server.config.budget import StageMemory
 from voice_server.config.errors import ConfigError, fail, quoted, show
-from voice_server.config.pipeline import PipelineConfig
+from voice_server.config.pipeline import PipelineConfig, StageConfig
 from voice_server.engine.runtime import StageContext
+from voice_server.models.paged import PagedKVCache
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.turn import turn_token_ids
+from voice_server.runners.sizing import activation_reserve_bytes
 from voice_server.runners.talker_graphs import DEFAULT_BUCKETS
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
-from voice_server.stages.omni_parts import read_omni_args
+from voice_server.stages.omni_parts import check_args, read_omni_args
 
 OWN_ARGS = ("page_size", "max_model_len", "speaker", "max_frames", "sampling", "sampler_seed", "cuda_graphs",
             "graph_max_len", "graph_buckets", "compile")
@@ -75,6 +78,18 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
         return TalkerRunner(model, turn_token_ids(args.cfg), config)
     except ValueError as exc:
         raise ConfigError(f"{args.where}: {exc}") from exc
+
+
+def stage_memory(stage: StageConfig, pipeline: PipelineConfig) -> StageMemory:
+    """Weights, the steps' activation reserve and KV bytes per token, as `TalkerRunner` sizes its cache
+    (for `check-config`; nothing is loaded)."""
+    args = check_args(stage, pipeline, OWN_ARGS)
+    cfg, elem = args.cfg.talker, args.dtype.itemsize
+    reserve = activation_reserve_bytes(stage.max_step_tokens, stage.max_batch_size, cfg.hidden_size,
+                                       cfg.intermediate_size, cfg.vocab_size, elem)
+    per_token = PagedKVCache.bytes_per_page(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, cfg.head_dim,
+                                            args.dtype)
+    return StageMemory(args.part_weight_bytes("talker"), reserve, per_token)
 
 
 TALKER_PARAMS = ("speaker", "max_frames")

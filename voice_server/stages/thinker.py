@@ -11,14 +11,18 @@ only: audio goes with `token_ids` and its audio blocks) and text deltas stream o
 
 from __future__ import annotations
 
+from voice_server.config import PipelineConfig, StageConfig
+from voice_server.config.budget import StageMemory
 from voice_server.config.errors import ConfigError, fail
 from voice_server.engine.runtime import StageContext
+from voice_server.models.paged import PagedKVCache
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.runners.ar_config import DecoderRunnerConfig
-from voice_server.runners.thinker_runner import ThinkerRunner
+from voice_server.runners.sizing import activation_reserve_bytes
+from voice_server.runners.thinker_runner import ThinkerRunner, thinker_shape
 from voice_server.scheduling.contract import SamplingParams
 from voice_server.stages.llm import load_hf_tokenizer
-from voice_server.stages.omni_parts import read_omni_args
+from voice_server.stages.omni_parts import check_args, read_omni_args
 
 OWN_ARGS = ("page_size", "max_model_len", "sampler_seed", "batch_invariant", "sampling")
 
@@ -48,3 +52,14 @@ def create_thinker(ctx: StageContext) -> ThinkerRunner:
         return ThinkerRunner(model, args.cfg, config, feeds_talker=bool(ctx.stage.stream_to), tokenizer=tokenizer)
     except ValueError as exc:
         raise ConfigError(f"{args.where}: {exc}") from exc
+
+
+def stage_memory(stage: StageConfig, pipeline: PipelineConfig) -> StageMemory:
+    """Weights, the steps' activation reserve and KV bytes per token, as `DecoderRunner` sizes its cache
+    (for `check-config`; nothing is loaded)."""
+    args = check_args(stage, pipeline, OWN_ARGS)
+    shape, elem = thinker_shape(args.cfg), args.dtype.itemsize
+    reserve = activation_reserve_bytes(stage.max_step_tokens, stage.max_batch_size, shape.hidden_size,
+                                       shape.intermediate_size, shape.vocab_size, elem)
+    per_token = PagedKVCache.bytes_per_page(shape.num_layers, 1, shape.num_kv_heads, shape.head_dim, args.dtype)
+    return StageMemory(args.part_weight_bytes("thinker"), reserve, per_token)

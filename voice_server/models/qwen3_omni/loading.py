@@ -45,23 +45,10 @@ def load_part(
     into a meta-built module; `dummy` draws seeded random weights of the right shapes."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    module: nn.Module
-    ignore: tuple[str, ...] = ()
-    prefix, name_prefix = f"{part}.", ""
-    if part == "audio_tower":
-        module, name_prefix = build_on_meta(AudioEncoder, cfg.thinker.audio), _AUDIO_TOWER_PREFIX
-        prefix = f"thinker.{_AUDIO_TOWER_PREFIX}"
-    elif part == "vision":
-        module, name_prefix = build_on_meta(VisionEncoder, cfg.thinker.vision), _VISION_PREFIX
-        prefix = f"thinker.{_VISION_PREFIX}"
-    elif part == "thinker":
-        module, ignore = build_on_meta(ThinkerModel, cfg.thinker), ThinkerModel.IGNORED_STATE_PREFIXES
-    elif part == "talker":
-        module = build_on_meta(Talker, cfg.talker)
-    elif part == "code2wav":
-        module = build_on_meta(Code2Wav, cfg.code2wav)
-    else:
-        raise ValueError(f"part must be thinker, talker, code2wav, audio_tower or vision, got {part!r}")
+    module = build_part_on_meta(part, cfg)
+    ignore = ThinkerModel.IGNORED_STATE_PREFIXES if part == "thinker" else ()
+    name_prefix = {"audio_tower": _AUDIO_TOWER_PREFIX, "vision": _VISION_PREFIX}.get(part, "")
+    prefix = f"thinker.{name_prefix}" if name_prefix else f"{part}."
     if load_format == "dummy":
         init_dummy_weights(module, seed, dtype, device=device, name_prefix=name_prefix)
     else:
@@ -69,3 +56,19 @@ def load_part(
             raise ValueError("load_format 'auto' needs a checkpoint directory")
         load_weights(module, Path(ckpt_dir), prefix, dtype, device=device, ignore_prefixes=ignore)
     return module.eval()
+
+
+def build_part_on_meta(part: Part, cfg: Qwen3OmniConfig) -> nn.Module:
+    """The part's modules with every parameter on the meta device: its shapes, without memory (what
+    `load_part` fills, and what a memory plan counts)."""
+    if part == "audio_tower":
+        return build_on_meta(AudioEncoder, cfg.thinker.audio)
+    if part == "vision":
+        return build_on_meta(VisionEncoder, cfg.thinker.vision)
+    if part == "thinker":
+        return build_on_meta(ThinkerModel, cfg.thinker)
+    if part == "talker":
+        return build_on_meta(Talker, cfg.talker)
+    if part == "code2wav":
+        return build_on_meta(Code2Wav, cfg.code2wav)
+    raise ValueError(f"part must be thinker, talker, code2wav, audio_tower or vision, got {part!r}")
