@@ -1,12 +1,13 @@
 // The voice-chat demo page: Start opens the speakers, the microphone and a `/ws` session; the server's
-// events become chat bubbles, reply audio goes to the player, and each finished reply's timings go to
-// the latency chart, tool calls go to `tools.js`. `window.demo` exposes the page's state (counters,
-// transcripts, turns, tool calls) for tests and for a look from the devtools console.
+// events become chat bubbles, reply audio goes to the player, each finished reply's timings go to the
+// latency chart, tool calls to `tools.js`; camera frames come from `camera.js`. `window.demo` exposes the
+// page's state (counters, transcripts, turns, tool calls, images sent) for tests and the devtools console.
 //
 // Query parameters (optional): `instructions`, `max_tokens` (the reply's sampling limit),
 // `input_rate` (16000 or 24000, preselects the rate menu) and `tools=1` (checks the Tools box).
 
 import { Microphone, microphoneContext, OUTPUT_RATE, Player, playerContext } from "./audio.js";
+import { DemoCamera } from "./camera.js";
 import { LatencyChart } from "./chart.js";
 import { Chat } from "./chat.js";
 import { NativeSession } from "./protocol.js";
@@ -44,6 +45,8 @@ let reportTimer = null;
 let response = null;
 // Replies cut short, by item id: {why, playedMs (what this page played), keptMs (what the server kept)}.
 const cuts = new Map();
+const camera = new DemoCamera(chat, $("camera"), ui.text, () => session);
+demo.images = camera.images;
 
 function setState(state, detail = "") {
   demo.state = state;
@@ -105,6 +108,7 @@ async function teardown() {
   mic = null;
   player = null;
   ui.meter.value = 0;
+  camera.stop();
   await Promise.allSettled(closing);
 }
 
@@ -112,6 +116,7 @@ async function teardown() {
 
 function onOpen(started) {
   setState("connected", `input ${started.input_rate} Hz, output ${started.output_rate} Hz${mic ? "" : ", no microphone"}`);
+  camera.onStarted(started);
 }
 
 function onClose(code, reason) {
@@ -225,7 +230,7 @@ function onEvent(event) {
   demo.events.push(event.type);
   if (demo.events.length > 200) demo.events.shift();
   if (event.type === "error") demo.errors.push(event);
-  if (!tools.onEvent(event, session)) handlers[event.type]?.(event);
+  if (!tools.onEvent(event, session) && !camera.onEvent(event)) handlers[event.type]?.(event);
 }
 
 // -- playback reports and barge-in ---------------------------------------------------------------------

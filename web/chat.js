@@ -1,6 +1,7 @@
-// The conversation as chat bubbles, one per item: user turns (spoken or typed), assistant replies, tool
-// calls (`tools.js`) and notices (errors, barge-ins). Each bubble is keyed by the server's item id so later
-// events (a transcript arriving, a truncation) update it in place. `entries` mirrors the bubbles for tests.
+// The conversation as chat bubbles, one per item: user turns (spoken, typed, or a camera frame from
+// `camera.js`), assistant replies, tool calls (`tools.js`) and notices (errors, barge-ins). Each bubble is
+// keyed by the server's item id so later events (a transcript arriving, a truncation) update it in place.
+// `entries` mirrors the bubbles for tests.
 
 export class Chat {
   constructor(list) {
@@ -40,6 +41,17 @@ export class Chat {
     bubble.element.classList.toggle("pending", !bubble.entry.text);
     this.list.lastElementChild?.scrollIntoView({ block: "end" });
     return bubble.entry;
+  }
+
+  // An image above the bubble's text (a camera frame the user sent); `src` a data URL (the page's CSP allows those).
+  picture(id, role, src, alt) {
+    const bubble = this.bubble(id, role);
+    const image = document.createElement("img");
+    image.className = "picture";
+    image.src = src;
+    image.alt = alt;
+    bubble.element.insertBefore(image, bubble.body);
+    bubble.element.classList.add("with-picture");
   }
 
   has(id) {

@@ -61,6 +61,11 @@ export class NativeSession {
     return this.send({ type: "tool_result", call_id: callId, output, respond });
   }
 
+  // A user item with an image (a PNG or JPEG data URL) and `text` (may be empty); `respond` asks for a response.
+  sendImage(dataUrl, text, respond) {
+    return this.send({ type: "image", image: dataUrl, text, respond });
+  }
+
   reportPlayback(playedMs) {
     return this.send({ type: "playback", played_ms: Math.max(0, Math.floor(playedMs)) });
   }

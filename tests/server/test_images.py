@@ -136,7 +136,8 @@ def test_ws_image_message(seeing: SessionServer) -> None:
     ws, started = ws_session(seeing.port)
     assert started["images"] is True
     ws.send(json.dumps({"type": "image", "image": data_url(JPEG, "image/jpeg")}))
-    assert ws_until(ws, "input_committed")[-1]["text"] == ""
+    committed = ws_until(ws, "input_committed")[-1]
+    assert (committed["text"], committed["images"]) == ("", 1)
     ws.send(json.dumps({"type": "image", "image": base64.b64encode(PNG).decode(), "text": "and this?",
                         "respond": True}))
     done = ws_until(ws, "response_done")[-1]

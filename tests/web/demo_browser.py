@@ -1,8 +1,8 @@
 """Headless Debian chromium for the browser demo's tests, through Playwright's sync API: launched with a
-fake microphone that plays a WAV (chromium loops it), and `DemoPage`, which waits on the page's
-`window.demo` state rather than on pixels and collects its console errors (a CSP violation or a failed
-module is one). Screenshots go to $VOICE_SERVER_ARTIFACTS (default: test-artifacts/ at the top of the
-repository)."""
+fake microphone that plays a WAV (chromium loops it) and a fake camera (chromium's moving test pattern), and
+`DemoPage`, which waits on the page's `window.demo` state rather than on pixels and collects its console
+errors (a CSP violation or a failed module is one). Screenshots go to $VOICE_SERVER_ARTIFACTS (default:
+test-artifacts/ at the top of the repository)."""
 
 from __future__ import annotations
 
@@ -75,8 +75,10 @@ def chromium(microphone_wav: Path) -> Iterator[Browser]:
 class DemoPage:
     """The demo in a fresh browser context, with the console errors it logged."""
 
-    def __init__(self, browser: Browser, url: str) -> None:
+    def __init__(self, browser: Browser, url: str, init_script: str | None = None) -> None:
         self.context = browser.new_context(viewport={"width": 1200, "height": 800})
+        if init_script:  # NOTE: runs before the page's own scripts, in every page of the context
+            self.context.add_init_script(init_script)
         self.page: Page = self.context.new_page()
         self.errors: list[str] = []
         self.page.on("console", self._on_console)

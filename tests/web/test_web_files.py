@@ -83,7 +83,7 @@ def test_the_page_is_served_at_the_root_with_its_headers(files: ThreadServer) ->
     assert files.get("/index.html")[0] == 200
 
 
-@pytest.mark.parametrize("name", ["app.js", "protocol.js", "audio.js", "chat.js", "chart.js", "tools.js",
+@pytest.mark.parametrize("name", ["app.js", "protocol.js", "audio.js", "chat.js", "chart.js", "tools.js", "camera.js",
                                   "capture-worklet.js", "playback-worklet.js"])
 def test_scripts_and_worklets_are_javascript(files: ThreadServer, name: str) -> None:
     status, headers, body = files.get(f"/{name}")

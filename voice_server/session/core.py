@@ -214,7 +214,8 @@ class Session(StreamedTurns):
             raise ValueError(f"item_id: an item {item.item_id!r} exists already")
         self.conversation.add(item)
         call_id = item.call.call_id if item.kind == "function_call_output" and item.call is not None else ""
-        await self.emit(InputCommitted(item.item_id, item.num_audio_ms, item.text, call_id=call_id))
+        await self.emit(InputCommitted(item.item_id, item.num_audio_ms, item.text, call_id=call_id,
+                                       num_images=len(item.images)))
         return item
 
     def on_playback(self, played_ms: int) -> None:

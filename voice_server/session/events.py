@@ -36,6 +36,8 @@ class InputCommitted:
     """The item is the input buffer's audio (a detected or committed turn), not an item the client created."""
     call_id: str = ""
     """A tool's output (a `function_call_output` item): the call it answers; `text` is the output."""
+    num_images: int = 0
+    """The images the item holds (a user message with images)."""
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,11 @@ def to_json(event: SessionEvent) -> dict[str, Any]:
     if isinstance(event, InputCommitted):
         committed = {"type": "input_committed", "item_id": event.item_id, "audio_ms": event.num_audio_ms,
                      "text": event.text}
-        return {**committed, "call_id": event.call_id} if event.call_id else committed
+        if event.call_id:
+            committed["call_id"] = event.call_id
+        if event.num_images:
+            committed["images"] = event.num_images
+        return committed
     if isinstance(event, InputTranscriptDelta):
         return {"type": "input_transcript_delta", "item_id": event.item_id, "delta": event.delta}
     if isinstance(event, InputTranscriptDone):
