@@ -67,6 +67,7 @@ def test_a_twilio_section_becomes_the_endpoints_settings() -> None:
     ({"allowed_tool_webhooks": ["https://tools.example.com"]}, "twilio.allowed_tool_webhooks", "end its path"),
     ({"allowed_tool_webhooks": ALLOWED}, "twilio.allowed_tool_webhooks", "must be a list"),
     ({"tool_hook": HOOK}, "twilio.tool_hook", "unknown field"),
+    ({"tool_webhook_secret_env": "my secret"}, "twilio.tool_webhook_secret_env", "environment variable's name"),
 ])
 def test_a_bad_field_is_a_config_error_naming_it(twilio: dict[str, Any], field: str, problem: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -85,6 +86,19 @@ def test_a_bad_tool_is_refused_by_the_sessions_parser_naming_it(tool: dict[str, 
     with pytest.raises(ConfigError) as info:
         twilio_settings(cfg)
     assert str(info.value).startswith(f"pipeline 'p': field '{field}': "), info.value
+
+
+def test_the_webhook_secret_comes_from_the_environment_and_is_never_shown(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = pipeline_from_dict(pipeline(tools=[WEATHER], tool_webhook=HOOK, tool_webhook_secret_env="HOOK_SECRET"))
+    monkeypatch.delenv("HOOK_SECRET", raising=False)
+    with pytest.raises(ConfigError, match="twilio.tool_webhook_secret_env': the environment variable HOOK_SECRET"):
+        twilio_settings(cfg)
+    monkeypatch.setenv("HOOK_SECRET", "s3cr3t-value")
+    settings = twilio_settings(cfg)
+    assert settings is not None and settings.tool_webhook_secret == "s3cr3t-value"
+    webhook = settings.webhook_of(start())
+    assert webhook is not None and webhook.secret == "s3cr3t-value"
+    assert "s3cr3t" not in repr(settings) and "s3cr3t" not in repr(webhook)  # NOTE: settings and webhooks get logged
 
 
 def test_settings_check_their_own_fields() -> None:

@@ -5,6 +5,8 @@ ones it refuses (a status not 2xx, a body over the cap, no answer in time, nobod
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Iterator
@@ -14,7 +16,14 @@ from serving import free_port
 from tool_webhooks import ToolWebhooks
 
 from voice_server.config.errors import ConfigError
-from voice_server.session.twilio.webhook import MAX_REPLY_BYTES, ToolWebhook, WebhookError, post_call, reply_output
+from voice_server.session.twilio.webhook import (
+    MAX_REPLY_BYTES,
+    ToolWebhook,
+    WebhookError,
+    post_call,
+    reply_output,
+    sign,
+)
 
 BODY = {"call_id": "call_1", "name": "get_weather", "arguments": json.dumps({"city": "Oslo"}), "call_sid": "CA1",
         "stream_sid": "MZ1"}
@@ -38,6 +47,20 @@ def test_a_2xx_reply_is_the_calls_output(hooks: ToolWebhooks, path: str, output:
     hit = hooks.hits[-1]
     assert hit.body == BODY and hit.path == path
     assert hit.headers["Content-Type"] == "application/json" and hit.headers["Host"] == f"127.0.0.1:{hooks.port}"
+
+
+def test_a_secret_signs_each_request_and_none_signs_nothing(hooks: ToolWebhooks) -> None:
+    before = int(time.time())
+    assert asyncio.run(post_call(ToolWebhook(hooks.url("/ok"), 2.0, "Sorry.", "k3y"), BODY)) == "Sunny in Oslo."
+    hit = hooks.hits[-1]
+    timestamp = int(hit.headers["X-Voice-Server-Timestamp"])
+    assert before <= timestamp <= time.time() + 1
+    # NOTE: recomputed here as a webhook would, from the raw body it received.
+    expected = hmac.new(b"k3y", f"{timestamp}.".encode() + hit.raw, hashlib.sha256).hexdigest()
+    assert hit.headers["X-Voice-Server-Signature"] == f"v1={expected}"
+    assert sign("other", timestamp, hit.raw) != hit.headers["X-Voice-Server-Signature"]
+    post(hooks.url("/ok"))
+    assert not {"X-Voice-Server-Timestamp", "X-Voice-Server-Signature"} & set(hooks.hits[-1].headers)
 
 
 @pytest.mark.parametrize(("path", "reason"), [("/fail", "HTTP status 500"), ("/nope", "HTTP status 404"),

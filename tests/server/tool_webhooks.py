@@ -32,6 +32,8 @@ class Hit:
     body: Any
     headers: dict[str, str]
     at: float
+    raw: bytes = b""
+    """The body's bytes as sent (what a signature covers)."""
     closed_at: float | None = None
     """`/slow`: when the client closed the connection before the reply (None: it waited for it)."""
 
@@ -63,7 +65,7 @@ def _handler(hooks: ToolWebhooks) -> type[BaseHTTPRequestHandler]:
 
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers.get("Content-Length", "0")))
-            hit = Hit(self.path, json.loads(raw), dict(self.headers.items()), time.monotonic())
+            hit = Hit(self.path, json.loads(raw), dict(self.headers.items()), time.monotonic(), raw)
             hooks.hits.append(hit)
             if self.path == "/ok":
                 self._reply(200, json.dumps({"output": f"Sunny in {json.loads(hit.body['arguments'])['city']}."}))

@@ -13,11 +13,14 @@ In YAML (every field optional):
       tool_timeout_s: 5                                   # no answer by then: the fallback is spoken
       tool_fallback: "Sorry, I can't look that up right now."
       allowed_tool_webhooks: [https://tools.example.com/] # prefixes a call's own `tool_webhook` must start with
+      tool_webhook_secret_env: TOOL_WEBHOOK_SECRET        # sign each POST with the secret in this env variable
 
 Rules (each a `ConfigError` naming `twilio.<field>`):
 - `tools` need a `tool_webhook`: a call the model makes with nobody to answer it would hang the call;
 - a webhook URL is `http` or `https`, with a host, without `user:password@`, without `.` or `..` path segments
   (a prefix check could be walked out of with them) and at most `MAX_URL_CHARS`;
+- `tool_webhook_secret_env` names an environment variable (the secret stays out of the YAML), which must be set
+  and non-empty when the settings are built;
 - an allowed prefix is such a URL whose path ends with `/`: `https://tools.example.com` would also allow
   `https://tools.example.com.evil.net/`. A call may name its own webhook only where one is listed, because
   without a token anyone can set a call's `customParameters` (and make the server POST anywhere).
@@ -50,6 +53,17 @@ MAX_TOOL_TIMEOUT_S = 60.0
 DEFAULT_TOOL_FALLBACK = "Sorry, I can't look that up right now."
 NO_WEBHOOK = "needs a tool_webhook: a call the model makes would have nobody to answer it"
 _UNSAFE = re.compile(r"[\x00-\x20\x7f\\]")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+@dataclass(frozen=True)
+class EnvName(Rule):
+    """The name of an environment variable, or "" (none)."""
+
+    def problem(self, value: object) -> str | None:
+        if value == "" or (isinstance(value, str) and _ENV_NAME.fullmatch(value)):
+            return None
+        return f"must be an environment variable's name (letters, digits, _), got {show(value)}"
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,8 @@ TOOL_RULES: dict[str, Rule] = {
     "allowed_tool_webhooks": WebhookPrefixes(),
 }
 """The fields `TwilioConfig` and the endpoint's `TwilioSettings` share, one rule each."""
-_RULES: dict[str, Rule] = {"instructions": BoundedText(MAX_INSTRUCTIONS_CHARS), **TOOL_RULES}
+_RULES: dict[str, Rule] = {"instructions": BoundedText(MAX_INSTRUCTIONS_CHARS), **TOOL_RULES,
+                           "tool_webhook_secret_env": EnvName()}
 
 
 @dataclass(frozen=True)
@@ -118,6 +133,9 @@ class TwilioConfig:
     """What the agent says when a webhook times out, fails or answers with an error."""
     allowed_tool_webhooks: tuple[str, ...] = ()
     """URL prefixes a call's `customParameters.tool_webhook` must start with; none: a call may not name one."""
+    tool_webhook_secret_env: str = ""
+    """An environment variable holding the secret each webhook request is signed with (HMAC-SHA256); "" signs
+    nothing."""
 
     def __post_init__(self) -> None:
         check_fields("twilio", self, _RULES)

@@ -17,8 +17,9 @@ same way: nobody would answer its calls.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from voice_server.config import PipelineConfig
@@ -82,6 +83,8 @@ class TwilioSettings:
     """What the agent says when a webhook times out or fails (`call_tools.py`)."""
     allowed_tool_webhooks: tuple[str, ...] = ()
     """URL prefixes a call's own `tool_webhook` must start with; none: a call may not name one."""
+    tool_webhook_secret: str = field(default="", repr=False)
+    """Signs each webhook request (`webhook.py`); "" signs nothing."""
 
     def __post_init__(self) -> None:
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
@@ -104,9 +107,16 @@ class TwilioSettings:
             tools = parse_tools(list(config.tools), "twilio.tools")
         except FieldError as exc:
             raise ConfigError(f"{where}: field '{exc.param}': {field_problem(exc)}") from exc
+        secret = ""
+        if config.tool_webhook_secret_env:
+            secret = os.environ.get(config.tool_webhook_secret_env, "")
+            if not secret:
+                raise ConfigError(f"{where}: field 'twilio.tool_webhook_secret_env': the environment variable "
+                                  f"{config.tool_webhook_secret_env} is not set (or empty)")
         return cls(instructions=config.instructions, greeting=config.greeting, tools=tools,
                    tool_webhook=config.tool_webhook, tool_timeout_s=float(config.tool_timeout_s),
-                   tool_fallback=config.tool_fallback, allowed_tool_webhooks=config.allowed_tool_webhooks)
+                   tool_fallback=config.tool_fallback, allowed_tool_webhooks=config.allowed_tool_webhooks,
+                   tool_webhook_secret=secret)
 
     def open_call(self, start: TwilioStart, pipeline: PipelineConfig) -> tuple[SessionConfig, str, ToolWebhook | None]:
         """What a call's `start` decides: its session config, greeting and tool webhook; ValueError naming the
@@ -162,7 +172,7 @@ class TwilioSettings:
             return None
         if not url:
             raise ValueError(f"{TOOLS_PARAMETER}: {NO_WEBHOOK}")
-        return ToolWebhook(url, self.tool_timeout_s, self.tool_fallback)
+        return ToolWebhook(url, self.tool_timeout_s, self.tool_fallback, self.tool_webhook_secret)
 
 
 def twilio_settings(pipeline: PipelineConfig) -> TwilioSettings | None:

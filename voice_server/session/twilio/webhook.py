@@ -7,6 +7,10 @@ the body as text (UTF-8). Anything else is a `WebhookError`: no reply within `ti
 included), a connection that fails, a status that is not 2xx (redirects are not followed: the URL was
 checked, where it points to was not), a body over `MAX_REPLY_BYTES`, a reply that is not HTTP.
 
+With a secret (`twilio.tool_webhook_secret_env`) each request is signed: `X-Voice-Server-Timestamp` (Unix
+seconds) and `X-Voice-Server-Signature: v1=<hex HMAC-SHA256 of "{timestamp}.{body}">` (`sign`), so the webhook
+can refuse requests that are not this server's (anyone may POST to a public URL) and stale ones (replays).
+
 NOTE: asyncio streams and `h11` (the HTTP/1.1 state machine uvicorn itself depends on), not urllib in a
 thread: a cancelled call (the caller hung up) closes its connection at once, a slow webhook holds no
 thread (the default executor has a handful), and the timeout covers the whole exchange.
@@ -16,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import hmac
 import json
 import ssl
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -27,11 +34,14 @@ import h11
 from voice_server.config.errors import fail
 from voice_server.config.twilio import TOOL_RULES
 
-__all__ = ["MAX_REPLY_BYTES", "ToolWebhook", "WebhookError", "post_call", "reply_output"]
+__all__ = ["MAX_REPLY_BYTES", "SIGNATURE_HEADER", "TIMESTAMP_HEADER", "ToolWebhook", "WebhookError", "post_call",
+           "reply_output", "sign"]
 
 MAX_REPLY_BYTES = 64 << 10
 """A tool's output goes into every later prompt of the call: a larger reply is a webhook's bug."""
 _READ_BYTES = 16 << 10
+TIMESTAMP_HEADER = "X-Voice-Server-Timestamp"
+SIGNATURE_HEADER = "X-Voice-Server-Signature"
 _TIMEOUT = "tool_webhook_timeout"
 _FAILED = "tool_webhook_failed"
 
@@ -43,6 +53,8 @@ class ToolWebhook:
     url: str
     timeout_s: float
     fallback: str
+    secret: str = field(default="", repr=False)
+    """Signs each request (`sign`); "" sends no signature."""
 
     def __post_init__(self) -> None:
         # NOTE: `TwilioConfig`'s own rules (`voice_server/config/twilio.py`), named as its fields are.
@@ -72,7 +84,8 @@ async def post_call(webhook: ToolWebhook, body: dict[str, Any]) -> str:
     """POST `body` (JSON) to the webhook; the call's output, or WebhookError."""
     try:
         async with asyncio.timeout(webhook.timeout_s):
-            status, reply = await _post(webhook.url, json.dumps(body, ensure_ascii=False).encode())
+            data = json.dumps(body, ensure_ascii=False).encode()
+            status, reply = await _post(webhook.url, data, _signature_headers(webhook.secret, data))
     except TimeoutError as exc:
         raise WebhookError(f"no answer within {webhook.timeout_s:g} s", _TIMEOUT) from exc
     except (OSError, h11.ProtocolError, UnicodeError, ValueError) as exc:
@@ -81,6 +94,20 @@ async def post_call(webhook: ToolWebhook, body: dict[str, Any]) -> str:
     if not 200 <= status < 300:
         raise WebhookError(f"HTTP status {status}")
     return reply_output(reply)
+
+
+def sign(secret: str, timestamp: int, body: bytes) -> str:
+    """`v1=` and the hex HMAC-SHA256, keyed by `secret`, of `{timestamp}.{body}`: what the webhook recomputes to
+    know the request is this server's, and checks the timestamp of to refuse a replayed one."""
+    digest = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"v1={digest}"
+
+
+def _signature_headers(secret: str, body: bytes) -> list[tuple[str, str]]:
+    if not secret:
+        return []
+    timestamp = int(time.time())
+    return [(TIMESTAMP_HEADER, str(timestamp)), (SIGNATURE_HEADER, sign(secret, timestamp, body))]
 
 
 def reply_output(body: bytes) -> str:
@@ -96,7 +123,7 @@ def reply_output(body: bytes) -> str:
     return text
 
 
-async def _post(url: str, body: bytes) -> tuple[int, bytes]:
+async def _post(url: str, body: bytes, extra_headers: list[tuple[str, str]]) -> tuple[int, bytes]:
     parts = urlsplit(url)
     is_tls = parts.scheme == "https"
     host = parts.hostname or ""
@@ -107,7 +134,8 @@ async def _post(url: str, body: bytes) -> tuple[int, bytes]:
         conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_READ_BYTES)
         target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         headers = [("Host", parts.netloc), ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                   ("Accept", "application/json, text/plain"), ("User-Agent", "voice-server"), ("Connection", "close")]
+                   ("Accept", "application/json, text/plain"), ("User-Agent", "voice-server"), ("Connection", "close"),
+                   *extra_headers]
         writer.write(conn.send(h11.Request(method="POST", target=target, headers=headers)) or b"")
         writer.write(conn.send(h11.Data(data=body)) or b"")
         writer.write(conn.send(h11.EndOfMessage()) or b"")
