@@ -79,10 +79,11 @@ def test_images_and_video_reach_the_next_stage_and_a_too_large_image_fails_alone
     video = {"frames": pixels((16, 48, 40, 3), 1), "fps": 2.0}  # NOTE: 8 temporal patches of 25 x 21 patches
     payloads = [{"token_ids": prompt(VIDEO, IMAGE), "videos": [video], "images": [png(pixels((40, 56, 3), 2))],
                  "note": "kept"},
-                {"token_ids": prompt(IMAGE), "images": [pixels((640, 480, 3), 3)]},
+                {"token_ids": prompt(IMAGE), "images": [pixels((1600, 1200, 3), 3)]},
                 {"token_ids": prompt(IMAGE), "images": [pixels((30, 20), 4)]}]
     results = submit_all(omni, payloads)
-    assert isinstance(results[1], RequestError) and "payload.images[0]: one frame of 640x480 pixels" in str(results[1])
+    assert isinstance(results[1], RequestError)
+    assert "payload.images[0]: one frame of 1600x1200 pixels" in str(results[1])
     assert f"activation budget (factory_args.activation_budget_mb) is {BUDGET_MB / 1024:.2f} GiB" in str(results[1])
     alone = pipeline_from_dict({"name": "x", "stages": [{**ENCODER, "next": None, "terminal": True}]})
     runner = create_audio_encoder(StageContext(alone.stages[0], alone, None, "t"))  # NOTE: the same weights

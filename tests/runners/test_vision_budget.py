@@ -83,7 +83,7 @@ def test_a_long_video_is_split_along_time_into_full_forwards() -> None:
 
 
 def test_items_share_forwards_in_order_and_one_that_cannot_fit_is_refused() -> None:
-    big = (1, 16, 16)  # NOTE: one frame of 256 patches: its scores alone are over the budget
+    big = (1, 16, 16)  # NOTE: one frame of 256 patches: more than the budget of three 64-patch frames
     assert peak_activation_bytes(TINY, 4, 256, 256) > BUDGET
     grids = [(1, 8, 8), (4, 8, 8), big, (1, 4, 8), (1, 8, 8)]
     plan = plan_forwards(grids, TINY, 4, BUDGET)

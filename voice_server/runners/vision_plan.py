@@ -2,9 +2,8 @@
 inside the encoder stage's activation budget. Torch-free: the numbers come from the config and the grids.
 
 Why a budget of its own: a vision forward's activations grow with its patches (tens of kB each at the
-released sizes) and, per frame, with the square of the frame's patches (the attention scores), so a
-long video or one large image needs many times the tower's ~1 GiB of bf16 weights. A stage budget that
-counts weights (and KV) alone would let one request exhaust the device.
+released sizes), so a long video or one large image needs many times the tower's ~1 GiB of bf16 weights.
+A stage budget that counts weights (and KV) alone would let one request exhaust the device.
 
 `peak_activation_bytes` is the formula; `plan_forwards` packs a batch's frames (a frame is one temporal
 patch group of an item: an image is one, a video `t`) into forwards, each within the budget, splitting a
@@ -24,9 +23,6 @@ Grid = tuple[int, int, int]  # (t, h, w): temporal patch groups (frames), patch 
 _FP32 = 4
 _INDEX_BYTES_PER_PATCH = 4 * 8 + 4 * 8 + 4 * 4
 """The grid's row/column/height/width (int64), the position table's 4 taps (int64) and their weights (fp32)."""
-_SDPA_ROW_COPIES = 3
-"""fp32 rows of one frame the math attention path makes besides the scores: scaled q and k, the output
-(and 3 more, the upcast q, k, v, when the tower is not fp32)."""
 
 
 def peak_activation_bytes(cfg: VisionEncoderConfig, dtype_bytes: int, num_patches: int, frame_len: int) -> int:
@@ -46,9 +42,9 @@ def peak_activation_bytes(cfg: VisionEncoderConfig, dtype_bytes: int, num_patche
     - attention, rotary: the norm1 output and qkv (4 N H b), the rotated q (N H b), and the rotation's
       fp32 temporaries (3 N H fp32; 3.5 when q/k are cast to fp32 first);
     - attention, per frame: norm1 out, qkv, rotated q and k (6 N H b), the other frames' outputs
-      ((N - L) H b) and the frame's math-path attention: SDPA with these [heads, L, d] (3-D) inputs takes
-      no fused kernel, it materialises the fp32 scores [heads, L, L] and their softmax together
-      (2 * heads * L**2 fp32) beside fp32 copies of the frame's rows (3 L H, 6 on a non-fp32 tower);
+      ((N - L) H b) and the frame's fused SDPA ([1, heads, L, d] inputs take the flash kernel, which never
+      holds the [heads, L, L] scores): its output (L H b) and log-sum-exp (heads L fp32); the kernel's
+      per-thread blocks are not tensors (and are small: a q block by a kv block of scores per thread);
     - attention, output: norm1 out, qkv, rotated q and k, the frame outputs, their concatenation, its
       transposed copy and the projection (10 N H b);
     - MLP: norm2 out (N H b) and the larger of fc1 + GELU (2 N I b) and GELU + fc2 (N I b + N H b);
@@ -65,9 +61,7 @@ def peak_activation_bytes(cfg: VisionEncoderConfig, dtype_bytes: int, num_patche
     position = 4 * nh * b + 4 * nh * _FP32
     rotary_temps = 3 * nh * _FP32 + (0 if b == _FP32 else nh * _FP32 // 2)
     rotary = 5 * nh * b + rotary_temps
-    row_copies = _SDPA_ROW_COPIES * (1 if b == _FP32 else 2)
-    frame = 6 * nh * b + (n - longest) * h * b + 2 * cfg.num_heads * longest**2 * _FP32 \
-        + row_copies * longest * h * _FP32
+    frame = 6 * nh * b + (n - longest) * h * b + longest * h * b + cfg.num_heads * longest * _FP32
     projection = 10 * nh * b
     mlp = nh * b + max(2 * n * i * b, n * i * b + nh * b)
     return held + max(cast, position, rotary, frame, projection, mlp)

@@ -19,9 +19,9 @@ factory_args: the common Qwen3-Omni keys (`stages/omni_parts.py`), plus
 - `activation_budget_mb` (4096, MiB; with `vision` only): the most one vision forward may hold in
   activations (`voice_server/runners/vision_plan.py`). A batch's images and video frames are packed into
   forwards within it, a long video split along time; an item one frame of which needs more is refused
-  at admission, alone. At the released sizes in bf16, 4096 MiB takes a square image of up to 1184x1184
-  pixels (74x74 patches; a video frame at the processor's largest, 3072 patches, needs 1.3 GiB) and a
-  minute of 1024x768 video at 2 fps in two forwards (it needs 6.8 GiB in one). Weights plus this budget
+  at admission, alone. At the released sizes in bf16, 4096 MiB takes the processor's largest image (12.8 MP,
+  50,176 patches: 1.9 GiB) in one forward and a minute of 1024x768 video at 2 fps in two (it needs 6.8 GiB
+  in one). Weights plus this budget
   must fit the stage's memory budget (`memory_fraction`) where it is known at start-up.
 """
 

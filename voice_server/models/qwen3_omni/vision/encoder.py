@@ -13,9 +13,9 @@ Parameter names equal the transformers in-memory names (checkpoint `thinker.visu
 
 Cost at the released sizes: the blocks' linears are ~0.82 GFLOP per patch, attention adds
 4 * frame_len * hidden FLOP per patch and block; a 448 x 448 image (28 x 28 patches, 196 tokens) is
-~0.77 TFLOP, ~10% of it attention and ~6% the four mergers. Attention runs frame by frame (one SDPA
-call per frame and block): O(sum of frame_len^2), where one block-diagonal masked call over a packed
-batch would cost O(num_patches^2) and materialise the mask.
+~0.77 TFLOP, ~10% of it attention and ~6% the four mergers. Attention runs frame by frame (one fused SDPA
+call per frame and block): O(sum of frame_len^2) compute in O(frame_len) memory, where one block-diagonal
+masked call over a packed batch would cost O(num_patches^2) and materialise the mask.
 """
 
 from __future__ import annotations
@@ -67,8 +67,11 @@ class VisionAttention(nn.Module):
         # NOTE: rotated in fp32 and cast back, as the reference does (bf16 angles would lose positions).
         q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # [heads, N, head_dim]
+        # NOTE: [1, heads, L, d] (4-D), as transformers' sdpa path calls it: on CPU that takes the fused flash
+        # kernel (blockwise, never the [heads, L, L] scores: 2.2 GiB at a 1024^2 image in the 3-D math path)
+        # and on CUDA the flash / memory-efficient ones.
         outs = [
-            F.scaled_dot_product_attention(qf, kf, vf)
+            F.scaled_dot_product_attention(qf[None], kf[None], vf[None])[0]
             for qf, kf, vf in zip(q.split(frame_lens, 1), k.split(frame_lens, 1), v.split(frame_lens, 1))
         ]
         return self.proj(torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1))
