@@ -7,7 +7,10 @@
 #   3. the Talker+MTP frame step at the released sizes (dummy weights), batch 1 and 16: the eager
 #      reference step (graphs off) and the runner's captured decode graphs (on);
 #   4. configs/qwen3-omni-30b-a3b.yaml with the released shapes on dummy weights (`preset: released`,
-#      no checkpoint needed): first text / first audio, 1 then 16 requests, graphs off and on.
+#      no checkpoint needed): first text / first audio, 1 then 16 requests, graphs off and on;
+#   5. the vision tower at the released sizes (bf16, dummy weights): a 1024x768 image, a 448x448 image,
+#      4 s and 10 s of video, then a minute of video under a 4 GiB activation budget: forward times and
+#      the device's peak memory against the encoder stage's formula (loadtest/bench_gpu_vision.py).
 # CUDA_GRAPHS=off or on runs only that side (default: both).
 #
 # Usage: loadtest/gpu_check.sh            (from anywhere; PYTHON=... picks the interpreter)
@@ -75,6 +78,8 @@ for graphs in "${graph_modes[@]}"; do
     step "30B-A3B pipeline, released shapes, graphs $graphs" 240 "$PYTHON" loadtest/bench_gpu.py pipeline \
         --config configs/qwen3-omni-30b-a3b.yaml --preset released --cuda-graphs "$graphs"
 done
+
+step "vision tower, released sizes" 240 "$PYTHON" loadtest/bench_gpu_vision.py --device cuda --budget-gib 4
 
 echo
 if (( ${#failed[@]} )); then
