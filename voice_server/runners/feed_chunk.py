@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
+from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.runners.payload import float_rows
+from voice_server.runners.thinker_visual import GRID_KEYS, read_grids
 from voice_server.scheduling import AdmissionError
 
 TALKER_FEED_KEY = "_talker"
@@ -27,9 +29,12 @@ class PromptFeed:
     embeds: torch.Tensor
     """[P, H]: the prompt tokens' input embeddings."""
     mm_hidden: torch.Tensor
-    """[N, H]: the hidden state at the talker's `accept_hidden_layer` at each audio position (N may be 0)."""
+    """[N, H]: the hidden state at the talker's `accept_hidden_layer` at each audio, image and video
+    placeholder, in row order (N may be 0)."""
     tts_embeds: torch.Tensor
     """[3, H]: tts_bos, tts_eos, tts_pad."""
+    visual: VisualInputs | None = None
+    """The prompt's image and video grids (no features; None: it has none): the talker's prefill positions."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class FeedChunk:
         if self.prompt is not None:
             wire.update(prompt_ids=self.prompt.token_ids, prompt_embeds=self.prompt.embeds,
                         mm_hidden=self.prompt.mm_hidden, tts_embeds=self.prompt.tts_embeds)
+            if self.prompt.visual is not None:
+                wire.update(_grids_to_wire(self.prompt.visual))
         return wire
 
     @classmethod
@@ -63,7 +70,25 @@ class FeedChunk:
             float_rows("chunk payload.prompt_embeds", wire["prompt_embeds"], hidden_size, len(token_ids)),
             float_rows("chunk payload.mm_hidden", wire["mm_hidden"], hidden_size, None),
             float_rows("chunk payload.tts_embeds", wire["tts_embeds"], hidden_size, 3),
+            _grids_from_wire(wire),
         ))
+
+
+def _grids_to_wire(visual: VisualInputs) -> dict[str, Any]:
+    def rows(grid: torch.Tensor | None) -> list[list[int]]:
+        return [] if grid is None else grid.tolist()
+
+    seconds = visual.video_second_per_grid
+    return {"image_grid_thw": rows(visual.image_grid_thw), "video_grid_thw": rows(visual.video_grid_thw),
+            "video_second_per_grid": [] if seconds is None else seconds.tolist()}
+
+
+def _grids_from_wire(wire: dict[str, Any]) -> VisualInputs | None:
+    """The grids of a prompt with images or videos (None: the chunk has none), checked for form; whether
+    they fit the prompt's blocks the talker's prefill checks."""
+    if not any(k in wire for k in GRID_KEYS):
+        return None
+    return read_grids("chunk payload", wire)
 
 
 def _ids(where: str, value: Any) -> list[int]:

@@ -12,6 +12,10 @@ So the talker may have `1 + number of known text vectors` frames (unlimited afte
 which its runner passes to the scheduler as `max_num_outputs`. Every input row a step may need is
 rebuilt from stored vectors, so a preempted request recomputes exactly.
 
+Positions: 0..L-1 on all three axes, then one per frame, unless the prompt has images or videos: then
+the prefill's rows take the M-RoPE positions `build_talker_prefill` gives them (the grids' walk over the
+talker's own input ids) and every later row `p + delta` (`rope_rows`), as transformers' frame loop does.
+
 A reply with no token to speak (the thinker's end after at most one token: its EOS at once, or a reply
 that was only tool calls, whose tokens the thinker's stage never streams) is silent: no prefill, and the
 request's one position is a step that decides the codec EOS without the model (`TalkerRunner.execute`),
@@ -26,6 +30,8 @@ import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout
+from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.runners.feed_chunk import FeedChunk
 from voice_server.scheduling import AdmissionError
 
@@ -37,11 +43,17 @@ class TalkerFeed:
     prompt_embeds: torch.Tensor | None = None
     mm_hidden: torch.Tensor | None = None
     tts_embeds: torch.Tensor | None = None
+    visual: VisualInputs | None = None
+    """The prompt's image and video grids (None: it has none)."""
     reply_embeds: list[torch.Tensor] = field(default_factory=list)
     """Thinker input embeddings [H_thinker] of the reply tokens received, t1 first."""
     is_thinker_done: bool = False
     prefill: torch.Tensor | None = None
     """Talker input rows of the prefill [L, H] once built."""
+    prefill_positions: torch.Tensor | None = None
+    """[3, L] int64 positions of the prefill rows when the prompt has images or videos (None: 0..L-1)."""
+    rope_delta: int = 0
+    """Row p past the prefill sits at p + rope_delta on every axis."""
     text_vectors: list[torch.Tensor] = field(default_factory=list)
     """Projected trailing text vectors [H] known so far (tts_eos last once the thinker ended)."""
     tts_pad: torch.Tensor | None = None
@@ -66,9 +78,10 @@ class TalkerFeed:
         if chunk.prompt is not None:
             self.prompt_ids, self.prompt_embeds = chunk.prompt.token_ids, chunk.prompt.embeds
             self.mm_hidden, self.tts_embeds = chunk.prompt.mm_hidden, chunk.prompt.tts_embeds
+            self.visual = chunk.prompt.visual
         self.reply_embeds.append(chunk.embed[0])
 
-    def advance(self, talker: Talker, ids: TurnTokenIds) -> list[int] | None:
+    def advance(self, talker: Talker, ids: TurnTokenIds, rope_layout: RopeLayout | None = None) -> list[int] | None:
         """Build the prefill and text vectors the received input allows; the prefill's placeholder
         token ids when it was just built (the scheduler counts positions by them), else None. A silent
         reply gets one placeholder when the thinker's end makes it so: the step that ends it."""
@@ -81,7 +94,7 @@ class TalkerFeed:
             if num_consumed < 1:
                 # NOTE: only the thinker's end (DONE, which comes once) makes a reply silent.
                 return [0] if self.is_silent else None
-            self.prefill = self._build_prefill(talker, ids)
+            self.prefill = self._build_prefill(talker, ids, rope_layout)
             built = [0] * self.prefill.shape[0]
         # Text vector m is reply token m + 2 (t1 went into the prefill).
         while len(self.text_vectors) < num_consumed - 1:
@@ -92,25 +105,29 @@ class TalkerFeed:
             self.text_vectors.append(talker.text_projection(self.tts_embeds[1:2].to(self._dtype(talker)))[0])
         return built
 
-    def _build_prefill(self, talker: Talker, ids: TurnTokenIds) -> torch.Tensor:
+    def _build_prefill(self, talker: Talker, ids: TurnTokenIds, rope_layout: RopeLayout | None) -> torch.Tensor:
         assert self.prompt_embeds is not None and self.mm_hidden is not None and self.tts_embeds is not None
         dtype = self._dtype(talker)
         device = self.prompt_embeds.device
         token_ids = torch.tensor([*self.prompt_ids, 0], device=device)  # t1's id is never read
         embeds = torch.cat((self.prompt_embeds, self.reply_embeds[0][None])).to(dtype)
         hidden = torch.zeros_like(embeds)
-        is_audio = token_ids == ids.audio
-        is_audio[-1] = False
-        if int(is_audio.sum()) != self.mm_hidden.shape[0]:
+        is_multimodal = (token_ids == ids.audio) | (token_ids == ids.image) | (token_ids == ids.video)
+        is_multimodal[-1] = False
+        if int(is_multimodal.sum()) != self.mm_hidden.shape[0]:
             raise AdmissionError(f"chunk payload.mm_hidden: {self.mm_hidden.shape[0]} rows for "
-                                 f"{int(is_audio.sum())} audio positions of the prompt")
-        hidden[is_audio] = self.mm_hidden.to(dtype)
+                                 f"{int(is_multimodal.sum())} audio, image and video positions of the prompt")
+        hidden[is_multimodal] = self.mm_hidden.to(dtype)
         try:
             prefill = build_talker_prefill(talker, ids, token_ids, len(self.prompt_ids), embeds, hidden,
-                                           self.tts_embeds, self.speaker)
+                                           self.tts_embeds, self.speaker, self.visual, rope_layout)
         except (ValueError, NotImplementedError) as exc:
             raise AdmissionError(f"talker prefill: {exc}") from exc
         self.tts_pad = prefill.tts_pad[0, 0]
+        if self.visual is not None:
+            positions = prefill.positions[:, 0]
+            self.prefill_positions = positions
+            self.rope_delta = int(positions.max()) + 1 - positions.shape[1]
         return prefill.inputs_embeds[0]
 
     def input_rows(self, start: int, end: int) -> torch.Tensor:
@@ -121,6 +138,17 @@ class TalkerFeed:
         for m in range(max(start, num_prefill) - num_prefill, end - num_prefill):
             rows.append((self.codec_sums[m] + self.text_vector(m))[None])
         return rows[0] if len(rows) == 1 else torch.cat(rows)
+
+    def rope_rows(self, start: int, end: int) -> torch.Tensor | None:
+        """[3, end - start] positions of rows [start, end); None when they are start..end-1 (no vision)."""
+        if self.prefill_positions is None:
+            return None
+        num_prefill = self.prefill_positions.shape[1]
+        rows = self.prefill_positions[:, start:min(end, num_prefill)]
+        if end <= num_prefill:
+            return rows
+        later = torch.arange(max(start, num_prefill), end, device=rows.device) + self.rope_delta
+        return torch.cat((rows, later.expand(3, -1)), dim=1)
 
     def text_vector(self, m: int) -> torch.Tensor:
         if m < len(self.text_vectors):

@@ -98,22 +98,27 @@ class TalkerDecodeGraphs:
     def max_len(self) -> int:
         return self.max_pages * self.cache.page_size
 
-    def can_run(self, seqs: Sequence[ARSeq]) -> bool:
-        """Decode-only steps (one row per sequence, each completing a frame) that fit a bucket."""
+    def can_run(self, seqs: Sequence[ARSeq], positions: Sequence[int]) -> bool:
+        """Decode-only steps (one row per sequence, each completing a frame) that fit a bucket, at rotary
+        `positions` (one per sequence) the rotary table covers."""
+        num_positions = self.talker.cfg.max_position_embeddings
         return len(seqs) <= self.buckets[-1] and all(
-            len(s.token_ids) == 1 and s.is_sampling and s.start_pos < self.max_len for s in seqs)
+            len(s.token_ids) == 1 and s.is_sampling and s.start_pos < self.max_len and 0 <= p < num_positions
+            for s, p in zip(seqs, positions, strict=True))
 
     def run(
-        self, seqs: Sequence[ARSeq], inputs: torch.Tensor, seen: torch.Tensor, noise: FrameNoise | None = None,
+        self, seqs: Sequence[ARSeq], positions: Sequence[int], inputs: torch.Tensor, seen: torch.Tensor,
+        noise: FrameNoise | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One row per sequence: inputs [S, H], seen [S, V] (and the rows' noise when sampled) ->
-        (codes [S, G], codebook-embedding sums [S, H], updated seen [S, V])."""
+        """One row per sequence: its rotary position (all three axes: `start_pos` plus the prompt's M-RoPE
+        delta), inputs [S, H], seen [S, V] (and the rows' noise when sampled) -> (codes [S, G],
+        codebook-embedding sums [S, H], updated seen [S, V])."""
         num_seqs = len(seqs)
         self.num_steps += 1
         bucket = self._buckets[next(b for b in self.buckets if b >= num_seqs)]
         bucket.ctx.fill([(s.start_pos, s.page_ids) for s in seqs])
         bucket.inputs[:num_seqs].copy_(inputs)
-        bucket.positions[:num_seqs].copy_(torch.tensor([s.start_pos for s in seqs]))
+        bucket.positions[:num_seqs].copy_(torch.tensor(list(positions)))
         bucket.positions[num_seqs:].zero_()
         bucket.seen[:num_seqs].copy_(seen)
         if bucket.noise is not None:

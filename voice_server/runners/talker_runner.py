@@ -10,6 +10,13 @@ stored vectors, never taken from the token ids). Upstream input is the thinker's
 
 Each frame streams out as `{"codes": [G, 1]}`; the codec EOS step streams no codes and ends the request. A reply
 with no token to speak ends so at once, with no frame (a silent reply: `TalkerFeed.is_silent`).
+
+Positions are the scheduler's flat ones (0..L-1, then one per frame) unless a prompt has images or videos:
+a step holding one runs on [3, T] positions, its prefill rows at their grid positions and later rows at
+`p + delta` (`TalkerFeed.rope_rows`), and in the decode graphs at `start_pos + delta` on all three axes.
+Building such a prefill needs `rope_layout`, the talker's M-RoPE layout (`talker_rope_layout` in
+`voice_server/models/qwen3_omni/turn.py`); without it a prompt with images or videos is refused.
+
 Request params: `params.talker` = {`speaker`, `max_frames`} (defaults from the factory).
 """
 
@@ -27,6 +34,7 @@ from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.talker.step import FrameNoise, step_paged
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout
 from voice_server.runners.feed_chunk import TALKER_FEED_KEY, FeedChunk
 from voice_server.runners.sampler import Sampler
 from voice_server.runners.sizing import activation_reserve_bytes, plan_kv_cache, weight_bytes
@@ -77,9 +85,11 @@ class TalkerRunnerConfig:
 
 
 class TalkerRunner(Runner[ARBatch, ARResult]):
-    def __init__(self, talker: Talker, ids: TurnTokenIds, config: TalkerRunnerConfig) -> None:
+    def __init__(
+        self, talker: Talker, ids: TurnTokenIds, config: TalkerRunnerConfig, rope_layout: RopeLayout | None = None,
+    ) -> None:
         cfg = talker.cfg
-        self.talker, self.ids, self.config = talker, ids, config
+        self.talker, self.ids, self.config, self.rope_layout = talker, ids, config, rope_layout
         weight = talker.codec_head.weight
         self.device, self.dtype = weight.device, weight.dtype
         elem = weight.element_size()
@@ -132,7 +142,7 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
         else:
             feed.is_thinker_done = True
         with torch.inference_mode():
-            prefill_ids = feed.advance(self.talker, self.ids)
+            prefill_ids = feed.advance(self.talker, self.ids, self.rope_layout)
         payload: dict[str, Any] = {"max_num_outputs": feed.max_num_outputs}
         if prefill_ids is not None:
             payload.update(token_ids=prefill_ids, is_input_done=True)
@@ -190,12 +200,15 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             # copies (`Sampler.fork`), kept only once the whole step succeeded (see the end of the step).
             forks = self.sampler.fork([seqs[i].request_id for i in sampling], [None] * len(sampling), self.device)
             noise = FrameNoise.draw(self.talker, [gen for _, gen in forks.generators], self.device)
-        if self.graphs is not None and self.graphs.can_run(seqs):
-            codes, codec_sums, seen = self.graphs.run(seqs, inputs, seen, noise)
+        rope_positions = [s.start_pos + f.rope_delta for s, f in zip(seqs, feeds)]
+        if self.graphs is not None and self.graphs.can_run(seqs, rope_positions):
+            codes, codec_sums, seen = self.graphs.run(seqs, rope_positions, inputs, seen, noise)
         else:
             ctx, positions = build_attention_context(
                 self.cache, [(s.start_pos, len(s.token_ids), s.page_ids) for s in seqs], batch.num_tokens,
                 self.device)
+            if any(f.prefill_positions is not None for f in feeds):
+                positions = self._rope_positions(seqs, feeds, positions)
             ends = torch.tensor([len(s.token_ids) for s in seqs], device=self.device).cumsum(0) - 1
             if not sampling:
                 self.talker.forward_paged(inputs, positions, ctx, ends[-1:])  # prefill chunks only: KV, no frame
@@ -225,6 +238,19 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             if code0 != eos:
                 feed.codec_sums.append(codec_sums[j])
         return ARResult(tuple(outputs))
+
+    @staticmethod
+    def _rope_positions(seqs: tuple[ARSeq, ...], feeds: list[TalkerFeed], flat: torch.Tensor) -> torch.Tensor:
+        """[3, T] positions of a step holding a prompt with images or videos (the others' rows: flat)."""
+        positions = flat.expand(3, -1).contiguous()
+        row = 0
+        for seq, feed in zip(seqs, feeds):
+            end = seq.start_pos + len(seq.token_ids)
+            rows = feed.rope_rows(seq.start_pos, end)
+            if rows is not None:
+                positions[:, row:row + len(seq.token_ids)] = rows
+            row += len(seq.token_ids)
+        return positions
 
     def _frame_data(self, seq: ARSeq, codes: torch.Tensor) -> dict[str, Any]:
         """What a frame streams, from its codes [G]. Changes no state: the step commits once it succeeded."""

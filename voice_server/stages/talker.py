@@ -24,7 +24,7 @@ from voice_server.engine.runtime import StageContext
 from voice_server.models.paged import PagedKVCache
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
-from voice_server.models.qwen3_omni.turn import turn_token_ids
+from voice_server.models.qwen3_omni.turn import talker_rope_layout, turn_token_ids
 from voice_server.runners.sizing import activation_reserve_bytes
 from voice_server.runners.talker_graphs import DEFAULT_BUCKETS
 from voice_server.runners.talker_runner import TalkerRunner, TalkerRunnerConfig
@@ -75,7 +75,7 @@ def create_talker(ctx: StageContext) -> TalkerRunner:
             compile=is_compiled,
             graph_max_len=args.int_arg("graph_max_len", 4096, minimum=1) or 4096,
         )
-        return TalkerRunner(model, turn_token_ids(args.cfg), config)
+        return TalkerRunner(model, turn_token_ids(args.cfg), config, talker_rope_layout(args.cfg))
     except ValueError as exc:
         raise ConfigError(f"{args.where}: {exc}") from exc
 
