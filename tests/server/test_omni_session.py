@@ -1,23 +1,31 @@
 """A voice session over the real streaming Qwen3-Omni pipeline (`configs/qwen3-omni-tiny.yaml`: audio
 encoder -> thinker -> talker -> code2wav, one process each, the tiny config's dummy weights) through
 `WS /ws`: a spoken turn is encoded, answered and spoken back, with every stage's first-output time in
-the response's summary; a typed turn after it carries the history; barge-in frees both AR stages."""
+the response's summary; a typed turn after it carries the history; barge-in frees both AR stages; and over
+`/v1/realtime` with the official `openai` SDK, an image item reaches the thinker's prompt."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import io
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import openai
 import pytest
 from harness import Pipeline
 from live_server import RATE, events_until, open_session, stream_audio
+from PIL import Image
+from realtime_client import SERVER_EVENTS
 from session_server import SessionServer, serve
 from speech_signals import signal_of
 
 from voice_server.config import pipeline_from_dict
 from voice_server.config.loading import read_yaml
+from voice_server.session.realtime.capabilities import IMAGES
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3-omni-tiny.yaml"
 # NOTE: random weights may end the reply at once; a fixed length keeps the talker fed.
@@ -62,3 +70,38 @@ def test_barge_in_aborts_the_reply_in_both_ar_stages(omni: SessionServer) -> Non
     ws.close()
     for stage in ("thinker", "talker"):
         omni.wait_idle(stage=stage)
+
+
+async def image_turn(port: int, content: list[dict[str, object]]) -> list[object]:
+    client = openai.AsyncOpenAI(api_key="x", base_url=f"http://127.0.0.1:{port}/v1")
+    events: list[object] = []
+    async with client.realtime.connect(model="qwen3-omni") as conn:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 4})
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": content})  # type: ignore[misc]
+        await conn.response.create()
+        async with asyncio.timeout(60):
+            async for event in conn:
+                assert SERVER_EVENTS.validate_python(event.to_dict()).type == event.type, event.to_dict()
+                events.append(event)
+                if event.type == "response.done":
+                    return events
+    raise AssertionError("the connection closed before response.done")
+
+
+def test_an_image_over_the_openai_sdk_reaches_the_thinker(omni: SessionServer) -> None:
+    # The tiny pipeline sees (`vision: true` on its encoder stage): a 64x64 PNG becomes 4 x 4 patches, 16
+    # placeholder tokens in the thinker's prompt (merge 1) between vision_start and vision_end. The thinker's
+    # prompt count (`usage.input_tokens`) grows by exactly those 18 over the same text alone.
+    buffer = io.BytesIO()
+    Image.new("RGB", (64, 64), (10, 200, 30)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    image = {"type": "input_image", "image_url": url}
+    text = {"type": "input_text", "text": "What is this?"}
+    plain = asyncio.run(image_turn(omni.port, [text]))
+    seen = asyncio.run(image_turn(omni.port, [image, text]))
+    created = next(e for e in seen if e.type == "session.created")  # type: ignore[attr-defined]
+    assert IMAGES in created.to_dict()["session"]["x_voice_server"]["served"]  # type: ignore[attr-defined]
+    plain_done, seen_done = plain[-1].response, seen[-1].response  # type: ignore[attr-defined]
+    assert plain_done.status == seen_done.status == "completed", (plain_done, seen_done)
+    assert seen_done.usage.input_tokens - plain_done.usage.input_tokens == 16 + 2
+    omni.wait_idle()
