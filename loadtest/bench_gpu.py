@@ -101,7 +101,7 @@ def graph_step_times(graphs: TalkerDecodeGraphs, batch: int, num_steps: int) -> 
         seqs = [ARSeq(str(b), (0,), PREFILL_LEN + i, tables[b], True, SamplingParams()) for b in range(batch)]
         _sync(device)
         t0 = time.perf_counter()
-        _, inputs, seen = graphs.run(seqs, inputs, seen)
+        _, inputs, seen = graphs.run(seqs, [s.start_pos for s in seqs], inputs, seen)
         _sync(device)
         if i >= 3:
             times.append(time.perf_counter() - t0)
