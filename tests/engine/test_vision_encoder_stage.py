@@ -6,7 +6,6 @@ budget fails alone while the requests beside it complete."""
 from __future__ import annotations
 
 import asyncio
-import io
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from harness import Pipeline, shm_segments
-from PIL import Image
+from image_inputs import pixels, png
 
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.coordinator import RequestError
@@ -44,16 +43,6 @@ def omni() -> Iterator[Pipeline]:
     yield pipeline
     pipeline.close()
     assert shm_segments(pipeline.coordinator.launch_id) == []
-
-
-def pixels(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
-
-
-def png(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(array).save(out, format="PNG")
-    return out.getvalue()
 
 
 def prompt(*blocks: list[int]) -> list[int]:

@@ -13,7 +13,6 @@ clips): the encoder's preprocessing equals transformers' processors (tests/model
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,9 @@ import pytest
 import torch
 import transformers
 from harness import Pipeline, shm_segments
+from image_inputs import pixels, png
 from omni_reference import randomize_
 from omni_vision_turns import Limits, check_streamed, reference_turn, submit_all
-from PIL import Image
 from thinker_vision_reference import IDS, chat, vision_config_dict
 
 from voice_server.config import pipeline_from_dict
@@ -128,16 +127,6 @@ def split_visual(ids: torch.Tensor, result: dict[str, Any], ours: TurnModels) ->
         video_grid_thw=torch.tensor(videos) if videos else None,
         video_second_per_grid=torch.tensor(result["video_second_per_grid"]) if videos else None,
     )
-
-
-def pixels(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
-
-
-def png(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(array).save(out, format="PNG")
-    return out.getvalue()
 
 
 def pcm(num_samples: int, seed: int) -> np.ndarray:

@@ -6,13 +6,12 @@ naming the field; a stage built without vision refuses images."""
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from image_inputs import pixels, png
 
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.chat import tiny_encode
@@ -47,16 +46,6 @@ def make_runner(towers: tuple[AudioEncoder, VisionEncoder], budget_bytes: int | 
     return AudioEncoderRunner(towers[0], AudioEncoderRunnerConfig.from_thinker(CFG.thinker, 5),
                               lambda messages: _chat(messages, CFG, tiny_encode),
                               towers[1] if vision else None, vision)
-
-
-def pixels(shape: tuple[int, ...], seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)
-
-
-def png(array: np.ndarray) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(array).save(out, format="PNG")
-    return out.getvalue()
 
 
 def video(num_frames: int, seed: int, fps: float = 2.0) -> dict[str, Any]:

@@ -7,6 +7,7 @@ as the client sees them even while it is busy streaming audio; every event is ch
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import threading
@@ -100,3 +101,20 @@ def transcript(events: list[dict[str, Any]]) -> str:
 
 def without_deltas(events: list[dict[str, Any]]) -> list[str]:
     return [e["type"] for e in events if not e["type"].endswith(".delta")]
+
+
+async def sdk_events(conn: Any, timeout_s: float = 60.0, stop_at_refusal: bool = False) -> list[Any]:
+    """Every server event of an `openai` SDK realtime connection up to `response.done` (with `stop_at_refusal`,
+    also up to an `error` that came before any `response.created`: a refused `response.create`), each also
+    validated strictly: the SDK builds its models without validating."""
+    events: list[Any] = []
+    async with asyncio.timeout(timeout_s):
+        async for event in conn:
+            wire = event.to_dict()
+            assert SERVER_EVENTS.validate_python(wire).type == event.type, wire
+            events.append(event)
+            is_refused = stop_at_refusal and event.type == "error" and not any(
+                e.type == "response.created" for e in events)
+            if event.type == "response.done" or is_refused:
+                return events
+    raise AssertionError("the connection closed before response.done")

@@ -17,7 +17,7 @@ from typing import Any
 
 import openai
 import pytest
-from realtime_client import SERVER_EVENTS, text_item
+from realtime_client import sdk_events, text_item
 from session_server import SessionServer, serve
 from talker_checks import talker_pipeline
 from websockets.exceptions import ConnectionClosed
@@ -54,17 +54,7 @@ async def turn(port: int, text: str, tools: list[dict[str, Any]], **response: An
 
 async def until_done(conn: Any) -> list[Any]:
     """Every server event up to `response.done`, or up to an error that refused `response.create`."""
-    events: list[Any] = []
-    async with asyncio.timeout(60):
-        async for event in conn:
-            # NOTE: the SDK builds its models without validating; every event must also validate strictly.
-            wire = event.to_dict()
-            assert SERVER_EVENTS.validate_python(wire).type == event.type, wire
-            events.append(event)
-            is_refused = event.type == "error" and not any(e.type == "response.created" for e in events)
-            if event.type == "response.done" or is_refused:
-                return events
-    raise AssertionError("the connection closed before response.done")
+    return await sdk_events(conn, stop_at_refusal=True)
 
 
 def run(port: int, text: str, tools: list[dict[str, Any]] | None = None, **response: Any) -> list[Any]:

@@ -19,8 +19,9 @@ from typing import Any
 import openai
 import pytest
 from harness import Pipeline
+from image_inputs import data_url, flat
 from PIL import Image
-from realtime_client import SERVER_EVENTS, RealtimeClient, transcript
+from realtime_client import RealtimeClient, sdk_events, transcript
 from session_server import SessionServer, serve
 from websockets.sync.client import connect
 
@@ -28,18 +29,7 @@ from voice_server.config import pipeline_from_dict
 from voice_server.session.images import MAX_IMAGES, check_image, parse_data_url
 from voice_server.session.realtime.capabilities import IMAGES
 
-
-def encoded(fmt: str, size: tuple[int, int] = (37, 21)) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", size, (200, 30, 60)).save(buffer, format=fmt)
-    return buffer.getvalue()
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-PNG, JPEG = encoded("PNG"), encoded("JPEG")
+PNG, JPEG = flat("PNG"), flat("JPEG")
 
 
 @pytest.fixture(scope="module")
@@ -55,19 +45,11 @@ def image_word(words: list[str]) -> str:
 
 async def sdk_turn(port: int, content: list[dict[str, Any]]) -> list[Any]:
     client = openai.AsyncOpenAI(api_key="x", base_url=f"http://127.0.0.1:{port}/v1")
-    events: list[Any] = []
     async with client.realtime.connect(model="anything") as conn:
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 6})
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": content})  # type: ignore[misc]
         await conn.response.create()
-        async with asyncio.timeout(30):
-            async for event in conn:
-                # NOTE: the SDK builds its models without validating; every event must also validate strictly.
-                assert SERVER_EVENTS.validate_python(event.to_dict()).type == event.type, event.to_dict()
-                events.append(event)
-                if event.type == "response.done":
-                    return events
-    raise AssertionError("the connection closed before response.done")
+        return await sdk_events(conn, timeout_s=30)
 
 
 def test_an_image_item_over_the_openai_sdk_reaches_the_pipeline(seeing: SessionServer) -> None:
@@ -86,7 +68,7 @@ def test_an_image_item_over_the_openai_sdk_reaches_the_pipeline(seeing: SessionS
 
 def test_bad_images_are_errors_naming_the_part(seeing: SessionServer) -> None:
     client = RealtimeClient(seeing.port)
-    gif = encoded("GIF")
+    gif = flat("GIF")
     bad = [
         ("https://example.com/cat.png", "invalid_value"),  # NOTE: never fetched
         ("data:image/gif;base64," + base64.b64encode(gif).decode(), "invalid_value"),

@@ -7,8 +7,6 @@ the response's summary; a typed turn after it carries the history; barge-in free
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import json
 import time
 from collections.abc import Iterator
@@ -17,9 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 from harness import Pipeline
+from image_inputs import data_url, flat
 from live_server import RATE, events_until, open_session, stream_audio
-from PIL import Image
-from realtime_client import SERVER_EVENTS
+from realtime_client import sdk_events
 from session_server import SessionServer, serve
 from speech_signals import signal_of
 
@@ -74,28 +72,18 @@ def test_barge_in_aborts_the_reply_in_both_ar_stages(omni: SessionServer) -> Non
 
 async def image_turn(port: int, content: list[dict[str, object]]) -> list[object]:
     client = openai.AsyncOpenAI(api_key="x", base_url=f"http://127.0.0.1:{port}/v1")
-    events: list[object] = []
     async with client.realtime.connect(model="qwen3-omni") as conn:
         await conn.session.update(session={"type": "realtime", "max_output_tokens": 4})
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": content})  # type: ignore[misc]
         await conn.response.create()
-        async with asyncio.timeout(60):
-            async for event in conn:
-                assert SERVER_EVENTS.validate_python(event.to_dict()).type == event.type, event.to_dict()
-                events.append(event)
-                if event.type == "response.done":
-                    return events
-    raise AssertionError("the connection closed before response.done")
+        return await sdk_events(conn)
 
 
 def test_an_image_over_the_openai_sdk_reaches_the_thinker(omni: SessionServer) -> None:
     # The tiny pipeline sees (`vision: true` on its encoder stage): a 64x64 PNG becomes 4 x 4 patches, 16
     # placeholder tokens in the thinker's prompt (merge 1) between vision_start and vision_end. The thinker's
     # prompt count (`usage.input_tokens`) grows by exactly those 18 over the same text alone.
-    buffer = io.BytesIO()
-    Image.new("RGB", (64, 64), (10, 200, 30)).save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-    image = {"type": "input_image", "image_url": url}
+    image = {"type": "input_image", "image_url": data_url(flat("PNG", (64, 64)))}
     text = {"type": "input_text", "text": "What is this?"}
     plain = asyncio.run(image_turn(omni.port, [text]))
     seen = asyncio.run(image_turn(omni.port, [image, text]))

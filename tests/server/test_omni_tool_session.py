@@ -24,7 +24,7 @@ import pytest
 from harness import Pipeline
 from omni_reference import save_reference
 from omni_stages import TOOL_CLOSE, TOOL_OPEN, write_toy_tokenizer
-from realtime_client import SERVER_EVENTS, text_item
+from realtime_client import sdk_events, text_item
 from session_server import SessionServer, serve
 
 from voice_server.config import pipeline_from_dict
@@ -65,16 +65,7 @@ def omni(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SessionServer]:
 
 
 async def until_done(conn: Any) -> list[Any]:
-    events: list[Any] = []
-    async with asyncio.timeout(120):
-        async for event in conn:
-            # NOTE: the SDK builds its models without validating; every event must also validate strictly.
-            wire = event.to_dict()
-            assert SERVER_EVENTS.validate_python(wire).type == event.type, wire
-            events.append(event)
-            if event.type == "response.done":
-                return events
-    raise AssertionError("the connection closed before response.done")
+    return await sdk_events(conn, timeout_s=120)
 
 
 async def conversation(port: int) -> tuple[list[Any], list[Any]]:
