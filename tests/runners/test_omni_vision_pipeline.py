@@ -7,10 +7,12 @@ Each payload is what the encoder stage sends the thinker (`voice_server/runners/
 with the blocks expanded, `visual_embeds` / `visual_deepstack` from transformers' own vision tower (so only the
 thinker and talker sides are compared), the grids, and `audio_embeds` for audio. Per request: the thinker's text
 ids and the talker's codes equal the reference's, the waveform within 1e-4, for images, two images, a video,
-a video and an image, audio with an image or a video, audio alone and text alone, staggered and batched
-together; and alone, with a prefill chunk cutting an image block and with a prefix-cache hit on a shared text
-prefix before an image. The talker's prefills come in chunks too, and its decode steps run on the fixed-shape
-buffers its CUDA graphs replay (eagerly here), at the vision prompts' shifted positions.
+a video whose frame times are fractional (float32 positions in the thinker and the talker, whose steps holding
+it run on the exact path, not the graphs' buffers), a video and an image, audio with an image or a video, audio
+alone and text alone, staggered and batched together; and alone, with a prefill chunk cutting an image block and
+with a prefix-cache hit on a shared text prefix before an image. The talker's prefills come in chunks too, and its
+decode steps run on the fixed-shape buffers its CUDA graphs replay (eagerly here), at the vision prompts' shifted
+positions.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ CASES: dict[str, tuple[Prompt, Limits]] = {
     "image": (PROMPTS["image"], (6, 9)),
     "two_images": (PROMPTS["two_images"], (9, 6)),
     "video": (PROMPTS["video"], (5, 11)),
+    "video_fractional_time": (PROMPTS["video_fractional_time"], (7, 14)),
     "image_video": (PROMPTS["image_video"], (7, 7)),
     "audio_video": (PROMPTS["audio_video"], (8, 5)),
     "audio_image": (Prompt(torch.tensor([chat(audio_block(230), image_block(WIDE_GRID))]), image_grids=[WIDE_GRID],

@@ -14,7 +14,9 @@ rebuilt from stored vectors, so a preempted request recomputes exactly.
 
 Positions: 0..L-1 on all three axes, then one per frame, unless the prompt has images or videos: then
 the prefill's rows take the M-RoPE positions `build_talker_prefill` gives them (the grids' walk over the
-talker's own input ids) and every later row `p + delta` (`rope_rows`), as transformers' frame loop does.
+talker's own input ids) and every later row the one before + 1 (`rope_rows`), as transformers' frame loop
+does: `p + delta` for whole positions; float32 sums one at a time (`continue_positions`) where a video's
+frame times are fractional (`is_fractional`).
 
 A reply with no token to speak (the thinker's end after at most one token: its EOS at once, or a reply
 that was only tool calls, whose tokens the thinker's stage never streams) is silent: no prefill, and the
@@ -29,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
-from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill, continue_positions
 from voice_server.models.qwen3_omni.thinker.rope import RopeLayout
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.runners.feed_chunk import FeedChunk
@@ -51,9 +53,14 @@ class TalkerFeed:
     prefill: torch.Tensor | None = None
     """Talker input rows of the prefill [L, H] once built."""
     prefill_positions: torch.Tensor | None = None
-    """[3, L] int64 positions of the prefill rows when the prompt has images or videos (None: 0..L-1)."""
+    """[3, L] positions of the prefill rows when the prompt has images or videos (None: 0..L-1): int64, or
+    float32 where a video's frame times are fractional."""
     rope_delta: int = 0
-    """Row p past the prefill sits at p + rope_delta on every axis."""
+    """Whole positions: row p past the prefill sits at p + rope_delta on every axis."""
+    later_positions: torch.Tensor | None = None
+    """Fractional positions: the last prefill row's, then those of the rows past it reached so far ([n] float32,
+    on the host; every axis), extended as steps reach further rows (a function of the prefill alone, so a
+    step that fails after extending it changes nothing)."""
     text_vectors: list[torch.Tensor] = field(default_factory=list)
     """Projected trailing text vectors [H] known so far (tts_eos last once the thinker ended)."""
     tts_pad: torch.Tensor | None = None
@@ -121,14 +128,22 @@ class TalkerFeed:
         try:
             prefill = build_talker_prefill(talker, ids, token_ids, len(self.prompt_ids), embeds, hidden,
                                            self.tts_embeds, self.speaker, self.visual, rope_layout)
-        except (ValueError, NotImplementedError) as exc:
+        except ValueError as exc:
             raise AdmissionError(f"talker prefill: {exc}") from exc
         self.tts_pad = prefill.tts_pad[0, 0]
         if self.visual is not None:
             positions = prefill.positions[:, 0]
             self.prefill_positions = positions
-            self.rope_delta = int(positions.max()) + 1 - positions.shape[1]
+            if positions.is_floating_point():
+                self.later_positions = positions[0, -1:].cpu()  # NOTE: seeded with the last prefill row's
+            else:
+                self.rope_delta = int(positions.max()) + 1 - positions.shape[1]
         return prefill.inputs_embeds[0]
+
+    @property
+    def is_fractional(self) -> bool:
+        """The prompt's positions are float32 (a video with fractional frame times): see `rope_rows`."""
+        return self.later_positions is not None
 
     def input_rows(self, start: int, end: int) -> torch.Tensor:
         """Talker input rows of positions [start, end) (prefill rows, then feedback rows)."""
@@ -140,15 +155,29 @@ class TalkerFeed:
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def rope_rows(self, start: int, end: int) -> torch.Tensor | None:
-        """[3, end - start] positions of rows [start, end); None when they are start..end-1 (no vision)."""
+        """[3, end - start] positions of rows [start, end), the prefill's dtype; None when they are start..end-1
+        (no vision)."""
         if self.prefill_positions is None:
             return None
         num_prefill = self.prefill_positions.shape[1]
         rows = self.prefill_positions[:, start:min(end, num_prefill)]
         if end <= num_prefill:
             return rows
-        later = torch.arange(max(start, num_prefill), end, device=rows.device) + self.rope_delta
+        if self.later_positions is None:
+            later = torch.arange(max(start, num_prefill), end, device=rows.device) + self.rope_delta
+        else:
+            later = self._fractional_rows(max(start, num_prefill), end).to(rows.device)
         return torch.cat((rows, later.expand(3, -1)), dim=1)
+
+    def _fractional_rows(self, start: int, end: int) -> torch.Tensor:
+        """[end - start] float32 positions of rows [start, end) past the prefill, from `later_positions`."""
+        assert self.later_positions is not None and self.prefill_positions is not None
+        first = self.prefill_positions.shape[1] - 1  # NOTE: later_positions[0] is the last prefill row's
+        known = self.later_positions
+        if known.shape[0] < end - first:
+            more = continue_positions(known[-1], end - first - known.shape[0])
+            known = self.later_positions = torch.cat((known, more))
+        return known[start - first:end - first]
 
     def text_vector(self, m: int) -> torch.Tensor:
         if m < len(self.text_vectors):

@@ -100,7 +100,10 @@ class TalkerDecodeGraphs:
 
     def can_run(self, seqs: Sequence[ARSeq], positions: Sequence[int]) -> bool:
         """Decode-only steps (one row per sequence, each completing a frame) that fit a bucket, at rotary
-        `positions` (one per sequence) the rotary table covers."""
+        `positions` (one per sequence) the rotary table covers.
+
+        NOTE: whole positions only (the int64 buffer and table lookup the graphs captured): the runner steps a
+        batch holding a prompt with fractional (float32) positions on its exact path instead."""
         num_positions = self.talker.cfg.max_position_embeddings
         return len(seqs) <= self.buckets[-1] and all(
             len(s.token_ids) == 1 and s.is_sampling and s.start_pos < self.max_len and 0 <= p < num_positions

@@ -14,6 +14,10 @@ with no token to speak ends so at once, with no frame (a silent reply: `TalkerFe
 Positions are the scheduler's flat ones (0..L-1, then one per frame) unless a prompt has images or videos:
 a step holding one runs on [3, T] positions, its prefill rows at their grid positions and later rows at
 `p + delta` (`TalkerFeed.rope_rows`), and in the decode graphs at `start_pos + delta` on all three axes.
+Where a video's frame times are fractional the prompt's positions are float32 (`TalkerFeed.is_fractional`):
+a step holding such a sequence runs all its rows on float32 [3, T] positions (whole ones are exact in
+float32), on the exact path: the decode graphs replay the rotary's int64 table lookup, and float32 positions
+take its computed path, which would need a second graph per bucket (twice the capture time and graph memory).
 Building such a prefill needs `rope_layout`, the talker's M-RoPE layout (`talker_rope_layout` in
 `voice_server/models/qwen3_omni/turn.py`); without it a prompt with images or videos is refused.
 
@@ -201,7 +205,8 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             forks = self.sampler.fork([seqs[i].request_id for i in sampling], [None] * len(sampling), self.device)
             noise = FrameNoise.draw(self.talker, [gen for _, gen in forks.generators], self.device)
         rope_positions = [s.start_pos + f.rope_delta for s, f in zip(seqs, feeds)]
-        if self.graphs is not None and self.graphs.can_run(seqs, rope_positions):
+        is_whole = not any(f.is_fractional for f in feeds)
+        if self.graphs is not None and is_whole and self.graphs.can_run(seqs, rope_positions):
             codes, codec_sums, seen = self.graphs.run(seqs, rope_positions, inputs, seen, noise)
         else:
             ctx, positions = build_attention_context(
@@ -241,8 +246,10 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
 
     @staticmethod
     def _rope_positions(seqs: tuple[ARSeq, ...], feeds: list[TalkerFeed], flat: torch.Tensor) -> torch.Tensor:
-        """[3, T] positions of a step holding a prompt with images or videos (the others' rows: flat)."""
-        positions = flat.expand(3, -1).contiguous()
+        """[3, T] positions of a step holding a prompt with images or videos (the others' rows: flat), float32
+        on every row when any prompt's are (as transformers keeps them; whole positions stay exact)."""
+        is_float = any(f.is_fractional for f in feeds)
+        positions = flat.expand(3, -1).contiguous().to(torch.float32 if is_float else flat.dtype)
         row = 0
         for seq, feed in zip(seqs, feeds):
             end = seq.start_pos + len(seq.token_ids)

@@ -3,6 +3,9 @@
 3-axis (t, h, w) positions; layers.py has only 1-D RoPE. Frequency slot i takes its angle from
 the t, h or w position: slots 1, 4, 7, .. (< 3 * section[1]) use h, slots 2, 5, 8, .. (< 3 * section[2])
 use w, every other slot uses t (transformers' `recomposition_frequencies`).
+
+Positions are int64, or float32 where a video's frame times are fractional (`thinker/rope.py`); either
+way the angles are float32 position x float32 inverse frequency, as transformers computes them.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import torch
 
 from voice_server.models.layers import rope_cos_sin, rope_inv_freq, signed_sin
+
+# NOTE: float32 only when a video's frame times are fractional; text-only steps are int64.
+POSITION_DTYPES = (torch.int64, torch.float32)
 
 
 def mrope_axis_index(head_dim: int, mrope_section: tuple[int, ...]) -> torch.Tensor:
@@ -46,7 +52,7 @@ class MRoPE(torch.nn.Module):
         return self._tables[device]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, L] or [3, B, L] -> cos, sin [B, L, head_dim]."""
+        """positions [B, L] or [3, B, L] (int64 or float32) -> cos, sin [B, L, head_dim]."""
         pos = as_mrope_positions(positions)
         inv_freq, axis = self._table(pos.device)
         angles = pos.to(torch.float32)[..., None] * inv_freq  # [3, B, L, D/2]
@@ -71,8 +77,8 @@ class MRoPE(torch.nn.Module):
     def paged_cos_sin(
         self, positions: torch.Tensor, num_positions: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat positions [T] (all axes equal) or [3, T] -> cos and `signed_sin` [1, 1, T, head_dim],
-        the layout the paged `Attention` path broadcasts over heads (`apply_rotary_signed`)."""
+        """Flat positions [T] int64 (all axes equal) or [3, T] int64 / float32 -> cos and `signed_sin`
+        [1, 1, T, head_dim], the layout the paged `Attention` path broadcasts over heads (`apply_rotary_signed`)."""
         if positions.ndim == 1:
             cos_table, sin_table = self.signed_table(num_positions, positions.device, dtype)
             cos, sin = cos_table[positions], sin_table[positions]

@@ -22,6 +22,7 @@ from voice_server.models.qwen3_omni.talker.prefill import (
     TalkerPrefill,
     TurnTokenIds,
     build_talker_prefill,
+    continue_positions,
     text_vector_at,
 )
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
@@ -63,12 +64,12 @@ def generate_frames(
 ) -> list[TalkerStepOutput]:
     """Frames until code 0 is codec EOS (that frame is not returned) or `max_frames` frames.
 
-    Frame i comes from talker pass i (pass 0 is the prefill); its `next_input_embeds` feeds pass i + 1.
+    Frame i comes from talker pass i (pass 0 is the prefill); its `next_input_embeds` feeds pass i + 1, at the
+    position after pass i's last (`continue_positions`: float32 after a prefill with fractional video times).
     """
     kv_cache = KVCache(len(talker.model.layers))
     code0_seen = torch.zeros(1, talker.cfg.vocab_size, dtype=torch.bool, device=prefill.inputs_embeds.device)
     inputs, positions = prefill.inputs_embeds, prefill.positions
-    next_pos = int(positions.max()) + 1
     frames: list[TalkerStepOutput] = []
     for i in range(max_frames):
         out = talker.step(inputs, positions, kv_cache, text_vector_at(prefill, i), code0_seen, sampling, generator)
@@ -76,7 +77,7 @@ def generate_frames(
             break
         frames.append(out)
         inputs = out.next_input_embeds
-        positions = torch.full((3, 1, 1), next_pos + i, device=inputs.device)
+        positions = continue_positions(positions[0, 0, -1], 1).expand(3, 1, 1)
     return frames
 
 

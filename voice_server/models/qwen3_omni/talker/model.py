@@ -15,7 +15,7 @@ from torch import nn
 from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm
 from voice_server.models.paged import PagedAttention
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
-from voice_server.models.qwen3_omni.mrope import MRoPE
+from voice_server.models.qwen3_omni.mrope import POSITION_DTYPES, MRoPE
 from voice_server.models.qwen3_omni.talker.code_predictor import CodePredictor
 from voice_server.models.qwen3_omni.talker.config import TalkerConfig
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling, select_tokens
@@ -51,11 +51,13 @@ class TalkerModel(nn.Module):
         kv_cache: KVCache | None,
         key_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """inputs_embeds [B, L, H]; positions [B, L] or [3, B, L] (t, h, w); key_mask [B, Lk] bool
-        (False = left padding) -> post-norm hidden [B, L, H]."""
+        """inputs_embeds [B, L, H]; positions [B, L] or [3, B, L] (t, h, w), int64, or float32 where a video's
+        frame times are fractional (`prefill.py`); key_mask [B, Lk] bool (False = left padding) -> post-norm
+        hidden [B, L, H]."""
         expect_shapes(
             ("inputs_embeds", inputs_embeds, "[B, L, H]", FLOATING),
-            ("positions", positions, "[B, L] | [3, B, L]", torch.long), ("key_mask", key_mask, "[B, Lk]", torch.bool),
+            ("positions", positions, "[B, L] | [3, B, L]", POSITION_DTYPES),
+            ("key_mask", key_mask, "[B, Lk]", torch.bool),
             dims={"H": self.codec_embedding.embedding_dim},
         )
         cos, sin = self.rotary(positions, inputs_embeds.dtype)
@@ -116,10 +118,12 @@ class Talker(nn.Module):
         logits_indices: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass of a ragged batch over the paged cache: flat inputs_embeds [T, H] (prefill chunks
-        and decode rows of many sequences, padding last), positions [T] (all M-RoPE axes equal) or
-        [3, T] -> (codec_head logits [S, V], post-norm hidden [S, H]) at rows `logits_indices` [S]."""
+        and decode rows of many sequences, padding last), positions [T] int64 (all M-RoPE axes equal) or
+        [3, T] int64 / float32 (vision prompts, as in `forward`) -> (codec_head logits [S, V], post-norm
+        hidden [S, H]) at rows `logits_indices` [S]."""
         expect_shapes(
-            ("inputs_embeds", inputs_embeds, "[T, H]", FLOATING), ("positions", positions, "[T] | [3, T]", torch.long),
+            ("inputs_embeds", inputs_embeds, "[T, H]", FLOATING),
+            ("positions", positions, "[T] | [3, T]", POSITION_DTYPES),
             ("logits_indices", logits_indices, "[S]", torch.long), dims={"H": self.cfg.hidden_size},
         )
         model = self.model
@@ -166,7 +170,8 @@ class Talker(nn.Module):
         generator: torch.Generator | None = None,
         key_mask: torch.Tensor | None = None,
     ) -> TalkerStepOutput:
-        """Fused frame step: talker pass (prefill [B, L, H] or decode [B, 1, H]) -> code 0 at the last
+        """Fused frame step: talker pass (prefill [B, L, H] or decode [B, 1, H], at `positions` as in
+        `TalkerModel.forward`: the prefill's, then `prefill.continue_positions`) -> code 0 at the last
         position -> code predictor fills codes 1..G-1 -> next input = sum of all G codebook embeddings
         + `text_vec` [B, H] (the next trailing text vector, or tts_pad once the text ran out).
 

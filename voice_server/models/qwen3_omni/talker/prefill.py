@@ -10,7 +10,9 @@ text stream [`<|im_start|>`, `assistant`, `\\n`, tts_pad x4, tts_bos, reply toke
 are the trailing text vectors the decode steps add, one per step, then tts_pad forever.
 Positions are 0..L-1 on all three axes, except with images / videos: then transformers runs its M-RoPE
 walk (`thinker.rope.get_rope_index`, with the talker's own ids and scales) over the talker's input ids,
-so vision placeholders get their grid positions here too.
+so vision placeholders get their grid positions here too, float32 where a video's frame times are
+fractional (int64 otherwise). Decode rows continue from the prefill's last position, one at a time
+(`continue_positions`).
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class TurnTokenIds:
 
 class TalkerPrefill(NamedTuple):
     inputs_embeds: torch.Tensor  # [1, L, H] talker prefill input
-    positions: torch.Tensor  # [3, 1, L] t/h/w rope positions (decode step i uses L + i on all axes)
+    positions: torch.Tensor  # [3, 1, L] t/h/w rope positions, int64 or float32 (decode: `continue_positions`)
     trailing_text: torch.Tensor  # [1, T, H] text vector added at decode step i < T
     tts_pad: torch.Tensor  # [1, 1, H] text vector added once the trailing text ran out
     input_ids: torch.Tensor  # [1, L] HF's `talker_input_ids` (user ids, then tts_pad x 9)
@@ -105,7 +107,8 @@ def build_talker_prefill(
     thinker's input embeddings (multimodal features merged in); thinker_hidden [S, D]: its hidden state
     at `accept_hidden_layer`. tts_embeds [3, D]: thinker input embeddings of (tts_bos, tts_eos, tts_pad).
     With images or videos, `visual` gives their grids (its features are not read) and `rope_layout` the
-    talker's placeholder ids and scales (transformers reads them from the talker's config).
+    talker's placeholder ids and scales (transformers reads them from the talker's config); the positions
+    are float32 when a video's frame times are fractional.
     """
     if token_ids.ndim != 1 or not token_ids.shape[0] == thinker_embed.shape[0] == thinker_hidden.shape[0]:
         raise ValueError("token_ids [S], thinker_embed [S, D] and thinker_hidden [S, D] must agree on S")
@@ -151,10 +154,29 @@ def build_talker_prefill(
     return TalkerPrefill(inputs_embeds, rope_positions, trailing, tts_pad[None], input_ids)
 
 
+def continue_positions(last: torch.Tensor, num: int) -> torch.Tensor:
+    """[num] positions of the `num` rows after the one at `last` (0-d, in its dtype; the talker's last prefill
+    row is text, so all three axes share it): each the one before + 1.
+
+    NOTE: transformers' generate appends `position_ids[..., -1:] + 1` after every step
+    (`_update_model_kwargs_for_generation`), in the prefill positions' dtype. Whole positions are then
+    `last + k`; fractional float32 ones round at each power of two they cross, so they are summed one at a time
+    as there: `last + k`, or `cache_len + rope_delta`, in float32 rounds once and can land an ulp away.
+    """
+    if not last.is_floating_point():
+        return last + torch.arange(1, num + 1, device=last.device)
+    positions = []
+    for _ in range(num):
+        last = last + 1
+        positions.append(last)
+    return torch.stack(positions) if positions else last.new_empty(0)
+
+
 def _talker_positions(
     input_ids: torch.Tensor, ids: TurnTokenIds, visual: VisualInputs | None, rope_layout: RopeLayout | None
 ) -> torch.Tensor:
-    """[3, 1, L] positions of the talker's input ids [1, L]."""
+    """[3, 1, L] positions of the talker's input ids [1, L]: int64, float32 when a video's frame times are
+    fractional (`get_rope_index`'s, the values transformers' float32 walk gives)."""
     grids = [] if visual is None else [g for g in (visual.image_grid_thw, visual.video_grid_thw) if g is not None]
     if not any(g.numel() for g in grids):
         if bool(((input_ids == ids.image) | (input_ids == ids.video)).any()):
@@ -165,7 +187,4 @@ def _talker_positions(
         raise ValueError("image / video grids need the talker's rope_layout")
     assert visual is not None
     positions, _ = get_rope_index(input_ids, rope_layout, **visual.rope_grids())
-    if positions.dtype != torch.long:
-        # NOTE: the talker's rotary takes int64 positions; fractional video frame times would need float32.
-        raise NotImplementedError("a video with fractional frame times in the talker prompt")
     return positions

@@ -20,13 +20,10 @@ from voice_server.models.layers import Attention, DecoderLayer, KVCache, RMSNorm
 from voice_server.models.paged import AttentionContext
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
 from voice_server.models.qwen3_omni.moe import SparseMoeBlock
-from voice_server.models.qwen3_omni.mrope import MRoPE
+from voice_server.models.qwen3_omni.mrope import POSITION_DTYPES, MRoPE
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig, ThinkerTextConfig
 from voice_server.models.qwen3_omni.thinker.visual import Deepstack, VisualInputs, visual_deepstack
 from voice_server.models.shapes import FLOATING, expect_shapes
-
-# NOTE: float32 only when a video's frame times are fractional (see `rope.py`); text-only steps are int64.
-POSITION_DTYPES = (torch.int64, torch.float32)
 
 
 @dataclass
