@@ -17,9 +17,10 @@ from talker_streams import CFG, models
 
 from voice_server.models.qwen3_omni.presets import TINY_IDS
 from voice_server.models.qwen3_omni.talker.model import Talker
-from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill, continue_positions
+from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
+from voice_server.models.qwen3_omni.thinker.rope import continue_positions
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.models.qwen3_omni.turn import generate_frames, talker_rope_layout, turn_token_ids
 from voice_server.runners.feed_chunk import TALKER_FEED_KEY

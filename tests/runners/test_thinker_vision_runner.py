@@ -16,16 +16,17 @@ from typing import Any
 import pytest
 import torch
 from thinker_vision_reference import IDS, IMAGE_GRID, PROMPTS, Prompt, chat, image_block, vision_config_dict
+from transformers import GenerationMixin
 
 from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.loading import load_part
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
-from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
+from voice_server.models.qwen3_omni.thinker.visual import Deepstack, VisualInputs
 from voice_server.models.qwen3_omni.turn import run_greedy_thinker
 from voice_server.runners.ar_config import DecoderRunnerConfig
 from voice_server.runners.feed_chunk import TALKER_FEED_KEY, FeedChunk
 from voice_server.runners.thinker_runner import ThinkerRunner
-from voice_server.runners.thinker_visual import admit_vision
+from voice_server.runners.thinker_visual import PromptVision, admit_vision
 from voice_server.scheduling import AdmissionError, ARScheduler, Emit, EmitKind, WorkItem, WorkKind
 
 torch.set_num_threads(1)
@@ -130,3 +131,27 @@ def test_visual_fields_that_do_not_fit_the_prompt_are_refused_naming_the_field(
     ids = PROMPTS["two_images"].input_ids[0].tolist() if token_ids is None else token_ids
     with pytest.raises(AdmissionError, match=match):
         admit_vision(fields, ids, CFG.thinker, torch.device("cpu"), torch.float32)
+
+
+def test_rows_past_a_fractional_prompt_continue_as_transformers_generate() -> None:
+    # NOTE: a prompt ending at 16.0433.. (3 rows after the second temporal patch of a video of 301 / 300 s a patch,
+    # x 13): transformers' generate appends `position_ids[..., -1:] + 1` after each step, in float32. The rows past
+    # the prompt must be those values, in whatever chunks and repeats the scheduler asks for them (a preempted
+    # request re-runs its rows), where `p + delta` (one rounding) lands an ulp away.
+    num_prompt, num = 6000, 3000
+    last = (torch.arange(2) * torch.tensor(301 / 300) * 13).float()[1] + 3
+    positions = torch.arange(num_prompt, dtype=torch.float32).expand(3, -1).clone()
+    positions[:, -1] = last
+    vision = PromptVision([], torch.zeros(0, 4), Deepstack(torch.zeros(0, dtype=torch.long), torch.zeros(1, 0, 4)),
+                          positions, last + 1 - num_prompt, VisualInputs())
+    kwargs = {"position_ids": last.expand(4, 1, 1)}
+    for _ in range(num):
+        kwargs = GenerationMixin._update_model_kwargs_for_generation(None, {}, kwargs)  # type: ignore[arg-type]
+    expected = kwargs["position_ids"][1, 0, 1:]
+    spans = [(num_prompt - 2, num_prompt + 5), (num_prompt + 5, num_prompt + 1700),
+             (num_prompt + 100, num_prompt + 101), (num_prompt + 1700, num_prompt + num)]
+    got = torch.cat([vision.rope_rows(start, end)[:, max(0, num_prompt - start):] for start, end in spans[:2]]
+                    + [vision.rope_rows(*spans[3])], dim=1)
+    assert got.dtype == torch.float32 and torch.equal(got, expected.expand(3, -1))
+    assert torch.equal(vision.rope_rows(*spans[2])[0], expected[100:101]), "a re-run row gets the same value"
+    assert not torch.equal(torch.arange(num_prompt, num_prompt + num) + (last + 1 - num_prompt), expected)

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
-from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill, continue_positions
-from voice_server.models.qwen3_omni.thinker.rope import RopeLayout
+from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, continue_positions
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.runners.feed_chunk import FeedChunk
 from voice_server.scheduling import AdmissionError

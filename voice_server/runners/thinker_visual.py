@@ -11,7 +11,8 @@ and `video_second_per_grid` [seconds per temporal patch of each video]. `admit_v
 after a block resumes past the block's largest position), giving a `PromptVision`.
 
 In a step (`step_positions`, `step_deepstack`): a row of the prompt takes its stored positions, every
-later row (streamed prompt text, generated tokens) `p + delta` on all three axes, and the prompt's image
+later row (streamed prompt text, generated tokens) `p + delta` on all three axes (float32 ones, after a video
+whose frame times are fractional: the row before + 1, as transformers' generate continues), and the prompt's image
 and video rows take their DeepStack features, each chunk its own share at its rows of the step, so a
 chunked prefill may cut a block anywhere. Every row is rebuilt from this stored state, so a preempted
 request recomputes exactly.
@@ -20,13 +21,13 @@ request recomputes exactly.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
-from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, get_rope_index
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, continue_positions, get_rope_index
 from voice_server.models.qwen3_omni.thinker.visual import Deepstack, VisualInputs
 from voice_server.runners.payload import float_array, float_rows, int_rows, positive_floats
 from voice_server.scheduling import AdmissionError
@@ -47,14 +48,25 @@ class PromptVision:
     delta: torch.Tensor  # 0-d, positions' dtype: row p past the prompt sits at p + delta on every axis
     grids: VisualInputs
     """The grids alone (no features): what the talker needs for its prefill positions."""
+    later: list[torch.Tensor] = field(default_factory=list)
+    """Fractional prompts: the positions of the rows past the prompt known so far (grown by `rope_rows`)."""
 
     def rope_rows(self, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of rows [start, end)."""
         num_prompt = self.positions.shape[1]
         parts = [self.positions[:, start:min(end, num_prompt)]] if start < num_prompt else []
         if end > num_prompt:
-            # NOTE: int64 steps plus the delta, as `rope.decode_position_ids` (float32 when the delta is).
-            later = torch.arange(max(start, num_prompt), end, device=self.positions.device) + self.delta
+            first = max(start, num_prompt)
+            if self.positions.is_floating_point():
+                # NOTE: each row the one before + 1 in float32, as transformers' generate appends them: `p + delta`
+                # rounds once and drifts an ulp away on long prompts. Kept, so a re-run row gets the same value.
+                missing = end - num_prompt - len(self.later)
+                if missing > 0:
+                    last = self.later[-1] if self.later else self.positions[0, -1]
+                    self.later.extend(continue_positions(last, missing).unbind())
+                later = torch.stack(self.later[first - num_prompt:end - num_prompt])
+            else:
+                later = torch.arange(first, end, device=self.positions.device) + self.delta
             parts.append(later.expand(3, -1))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 

@@ -21,7 +21,8 @@ from omni_reference import hf_turn, randomize_
 from thinker_vision_reference import PROMPTS, hf_tower, vision_config_dict, visual_inputs
 from transformers import GenerationMixin
 
-from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill, continue_positions
+from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill
+from voice_server.models.qwen3_omni.thinker.rope import continue_positions
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.models.qwen3_omni.turn import (
     TurnModels,

@@ -22,12 +22,16 @@ from voice_server.models.qwen3_omni.talker.prefill import (
     TalkerPrefill,
     TurnTokenIds,
     build_talker_prefill,
-    continue_positions,
     text_vector_at,
 )
 from voice_server.models.qwen3_omni.talker.sampling import TalkerSampling
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
-from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, decode_position_ids, get_rope_index
+from voice_server.models.qwen3_omni.thinker.rope import (
+    RopeLayout,
+    continue_positions,
+    decode_position_ids,
+    get_rope_index,
+)
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 
 
@@ -162,7 +166,12 @@ def run_greedy_thinker(
         generated.append(next_id)
         if int(next_id) == eos_token_id or step == max_new_tokens - 1:
             break
-        positions = decode_position_ids(kv_cache.seq_len, 1, deltas)
+        if positions.is_floating_point():
+            # NOTE: fractional video times: each row the one before + 1 in float32, as transformers' generate
+            # appends them (`cache_len + delta` rounds once and drifts an ulp away on long prompts).
+            positions = continue_positions(positions[0, 0, -1], 1).expand(3, 1, 1)
+        else:
+            positions = decode_position_ids(kv_cache.seq_len, 1, deltas)
         out = thinker(next_id, positions, kv_cache, accept_hidden_layer=accept_hidden_layer)
         embeds.append(out.inputs_embeds[0])
         hiddens.append(out.accepted_hidden)

@@ -171,7 +171,7 @@ class Talker(nn.Module):
         key_mask: torch.Tensor | None = None,
     ) -> TalkerStepOutput:
         """Fused frame step: talker pass (prefill [B, L, H] or decode [B, 1, H], at `positions` as in
-        `TalkerModel.forward`: the prefill's, then `prefill.continue_positions`) -> code 0 at the last
+        `TalkerModel.forward`: the prefill's, then `rope.continue_positions`) -> code 0 at the last
         position -> code predictor fills codes 1..G-1 -> next input = sum of all G codebook embeddings
         + `text_vec` [B, H] (the next trailing text vector, or tts_pad once the text ran out).
 

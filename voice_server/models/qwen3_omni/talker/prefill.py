@@ -12,7 +12,7 @@ Positions are 0..L-1 on all three axes, except with images / videos: then transf
 walk (`thinker.rope.get_rope_index`, with the talker's own ids and scales) over the talker's input ids,
 so vision placeholders get their grid positions here too, float32 where a video's frame times are
 fractional (int64 otherwise). Decode rows continue from the prefill's last position, one at a time
-(`continue_positions`).
+(`voice_server/models/qwen3_omni/thinker/rope.py` `continue_positions`).
 """
 
 from __future__ import annotations
@@ -152,24 +152,6 @@ def build_talker_prefill(
     input_ids = torch.cat((token_ids[user_pos], token_ids.new_full((NUM_ASSISTANT_PREFILL,), ids.tts_pad)))[None]
     rope_positions = _talker_positions(input_ids, ids, visual, rope_layout)
     return TalkerPrefill(inputs_embeds, rope_positions, trailing, tts_pad[None], input_ids)
-
-
-def continue_positions(last: torch.Tensor, num: int) -> torch.Tensor:
-    """[num] positions of the `num` rows after the one at `last` (0-d, in its dtype; the talker's last prefill
-    row is text, so all three axes share it): each the one before + 1.
-
-    NOTE: transformers' generate appends `position_ids[..., -1:] + 1` after every step
-    (`_update_model_kwargs_for_generation`), in the prefill positions' dtype. Whole positions are then
-    `last + k`; fractional float32 ones round at each power of two they cross, so they are summed one at a time
-    as there: `last + k`, or `cache_len + rope_delta`, in float32 rounds once and can land an ulp away.
-    """
-    if not last.is_floating_point():
-        return last + torch.arange(1, num + 1, device=last.device)
-    positions = []
-    for _ in range(num):
-        last = last + 1
-        positions.append(last)
-    return torch.stack(positions) if positions else last.new_empty(0)
 
 
 def _talker_positions(

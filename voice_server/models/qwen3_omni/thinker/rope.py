@@ -285,3 +285,21 @@ def decode_position_ids(past_len: int | torch.Tensor, num_tokens: int, rope_delt
     past = torch.as_tensor(past_len, device=rope_deltas.device).reshape(-1, 1)
     steps = past + torch.arange(num_tokens, device=rope_deltas.device)[None, :]
     return (steps + rope_deltas)[None].expand(3, -1, -1)
+
+
+def continue_positions(last: torch.Tensor, num: int) -> torch.Tensor:
+    """[num] positions of the `num` rows after the one at `last` (0-d, in its dtype; a prompt's last row is
+    text, so all three axes share it): each the one before + 1. The thinker's and the talker's decode rows.
+
+    NOTE: transformers' generate appends `position_ids[..., -1:] + 1` after every step
+    (`_update_model_kwargs_for_generation`), in the prefill positions' dtype. Whole positions are then
+    `last + k`; fractional float32 ones round at each power of two they cross, so they are summed one at a time
+    as there: `last + k`, or `cache_len + rope_delta`, in float32 rounds once and can land an ulp away.
+    """
+    if not last.is_floating_point():
+        return last + torch.arange(1, num + 1, device=last.device)
+    positions = []
+    for _ in range(num):
+        last = last + 1
+        positions.append(last)
+    return torch.stack(positions) if positions else last.new_empty(0)
