@@ -64,16 +64,28 @@ class Item:
             raise ValueError(f"item: images belong to user messages, not a {self.role} {self.kind}")
 
 
+    @property
+    def num_media_bytes(self) -> int:
+        """What its user audio and images hold in memory."""
+        return (0 if self.audio is None else self.audio.nbytes) + sum(len(image) for image in self.images)
+
+
 @dataclass
 class Conversation:
     max_items: int = 512
     """Oldest items are dropped beyond this (a long call must not grow without bound)."""
+    max_media_bytes: int = 256 << 20
+    """...and beyond this much user audio and images (~70 minutes of speech): an item's count alone would let
+    a client that sends large images hold hundreds of MiB per session."""
     items: list[Item] = field(default_factory=list)
 
     def add(self, item: Item) -> Item:
         self.items.append(item)
         if len(self.items) > self.max_items:
             del self.items[: len(self.items) - self.max_items]
+        num_bytes = sum(i.num_media_bytes for i in self.items)
+        while num_bytes > self.max_media_bytes and len(self.items) > 1:
+            num_bytes -= self.items.pop(0).num_media_bytes  # NOTE: the newest item always stays
         return item
 
     def get(self, item_id: str) -> Item | None:
