@@ -8,7 +8,7 @@ import numpy as np
 
 from voice_server.engine.runtime import StageContext
 from voice_server.scheduling import Emit, EmitKind, Runner, SimpleBatch, SimpleResult
-from voice_server.stages.numeric import Echo
+from voice_server.stages.numeric import ChunkMap, Echo
 
 
 def create_flaky_echo(ctx: StageContext) -> Echo:
@@ -35,3 +35,9 @@ class Amplifier(Runner[SimpleBatch, SimpleResult]):
 
 def create_amplifier(ctx: StageContext) -> Amplifier:
     return Amplifier()
+
+
+def create_pid_tagger(ctx: StageContext) -> ChunkMap:
+    """Tags every chunk with the pid of the process that handled it (which replica served a request);
+    honours `params["chunk_delay_ms"]` like the numeric transform."""
+    return ChunkMap(lambda p: {"index": p["index"], "pid": os.getpid()})

@@ -71,13 +71,15 @@ def plan_budget(cfg: PipelineConfig) -> list[StageBudget]:
     """Per-stage budgets; raises BudgetError naming every stage on an over-committed device."""
     totals: dict[str, float] = {}
     for stage in cfg.stages:
-        totals[stage.device_key] = totals.get(stage.device_key, 0.0) + stage.memory_fraction
+        # NOTE: each replica is a process with its own model: it holds the stage's fraction once more.
+        totals[stage.device_key] = totals.get(stage.device_key, 0.0) + stage.memory_fraction * stage.replicas
     over = {device: total for device, total in totals.items() if total > 1.0 + _EPS}
     if over:
         lines = []
         for device, total in sorted(over.items()):
             parts = ", ".join(
-                f"{s.name}={s.memory_fraction:g}" for s in cfg.stages if s.device_key == device
+                f"{s.name}={s.memory_fraction:g}" + (f"x{s.replicas}" if s.replicas > 1 else "")
+                for s in cfg.stages if s.device_key == device
             )
             lines.append(f"device {device} is over budget: {total:.3f} > 1.0 ({parts})")
         raise BudgetError("; ".join(lines))

@@ -18,13 +18,21 @@ from voice_server.config.topology import check_topology, reachable_from
 from voice_server.config.twilio import TwilioConfig
 from voice_server.config.voices import VOICE_NAME_RE, VoiceConfig, check_voices, find_voice
 
-__all__ = ["PIPELINE_RULES", "SCHEDULERS", "STAGE_RULES", "ConfigError", "PipelineConfig", "StageConfig"]
+__all__ = [
+    "MAX_REPLICAS", "PIPELINE_RULES", "REPLICA_SEP", "SCHEDULERS", "STAGE_RULES", "ConfigError", "PipelineConfig",
+    "StageConfig",
+]
 
 SCHEDULERS = ("simple", "ar", "code2wav")
 """Scheduler names a config may use; which are implemented is `voice_server.scheduling.SCHEDULER_BUILDERS`."""
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
 _DEVICE_RE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _LABEL_RE = re.compile(r"^[^\x00-\x1f\x7f]{1,64}$")
+MAX_REPLICAS = 64
+"""Most processes one replicated stage may run (each is an OS process with its own model)."""
+REPLICA_SEP = "@"
+"""Between a process group and a replica's index (`code2wav@1`): never '.', which ends a process name in a relay
+owner (`engine/ipc.py: owner_process`), and not a name character, so no configured name collides."""
 _FACTORY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 STAGE_RULES: dict[str, Rule] = {
@@ -42,6 +50,7 @@ STAGE_RULES: dict[str, Rule] = {
     "prefix_cache": Flag(),
     "initial_chunk_frames": Number(int, minimum=1),
     "chunk_frames": Number(int, minimum=1),
+    "replicas": Number(int, minimum=1, maximum=MAX_REPLICAS),
 }
 """Scalar fields of a stage and their rules; `next`, `stream_to`, `factory_args` are checked by hand, `env`
 in `config/env.py`."""
@@ -84,6 +93,10 @@ class StageConfig:
     """Free-form keyword arguments for the factory."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables the stage's process sets before it imports torch (`config/env.py`)."""
+    replicas: int = 1
+    """Processes that run this stage, each with its own model (`process@0` ... `process@N-1`); the coordinator
+    sends each request to the least loaded one, and all of a request's input to that one. The stage must be alone
+    in its process group."""
 
     def __post_init__(self) -> None:
         where = f"stage {quoted(self.name)}"
@@ -105,7 +118,15 @@ class StageConfig:
 
     @property
     def process_name(self) -> str:
+        """The stage's process group (one process, or the group its replicas share)."""
         return self.process or self.name
+
+    @property
+    def process_names(self) -> tuple[str, ...]:
+        """The processes that run this stage: the group itself, or one per replica."""
+        if self.replicas == 1:
+            return (self.process_name,)
+        return tuple(f"{self.process_name}{REPLICA_SEP}{i}" for i in range(self.replicas))
 
     @property
     def device_key(self) -> str:
@@ -249,11 +270,18 @@ class PipelineConfig:
 
     @property
     def processes(self) -> dict[str, tuple[StageConfig, ...]]:
-        """Process group name -> its stages, in config order."""
+        """Process name -> its stages, in config order: one entry per process group, or per replica of a
+        replicated stage (`check_topology` keeps such a stage alone in its group)."""
         groups: dict[str, list[StageConfig]] = {}
         for stage in self.stages:
-            groups.setdefault(stage.process_name, []).append(stage)
+            for process in stage.process_names:
+                groups.setdefault(process, []).append(stage)
         return {name: tuple(stages) for name, stages in groups.items()}
+
+    @cached_property
+    def replicated_stages(self) -> tuple[str, ...]:
+        """Stages with `replicas` > 1, in config order: the ones a request's replica plan names."""
+        return tuple(s.name for s in self.stages if s.replicas > 1)
 
     def process_env(self, process: str) -> dict[str, str]:
         """The environment variables process group `process` sets at start (its stages' `env`)."""

@@ -70,6 +70,22 @@ def _check_acyclic(stages: Sequence[StageConfig], by_name: Mapping[str, StageCon
                 iters.append(iter(by_name[target].targets))
 
 
+def _check_replicas(stages: Sequence[StageConfig]) -> None:
+    # NOTE: replicas are whole processes; a group shared with other stages would replicate them too, and a
+    # request's plan picks a replica per stage, so two stages of one replicated group could disagree.
+    groups: dict[str, list[str]] = {}
+    for stage in stages:
+        groups.setdefault(stage.process_name, []).append(stage.name)
+    for stage in stages:
+        others = [name for name in groups[stage.process_name] if name != stage.name]
+        if stage.replicas > 1 and others:
+            raise fail(
+                f"stage '{stage.name}'", "replicas",
+                f"a replicated stage must be alone in its process group; process '{stage.process_name}' also "
+                f"holds {', '.join(others)}",
+            )
+
+
 def check_topology(where: str, stages: Sequence[StageConfig], entry: str) -> dict[str, StageConfig]:
     """Validate the routing graph; returns the stages by name. `entry` is the resolved entry stage."""
     check_num_stages(where, len(stages))
@@ -117,6 +133,7 @@ def check_topology(where: str, stages: Sequence[StageConfig], entry: str) -> dic
             raise fail(f"stage '{stage.name}'", "name", f"not reachable from entry '{entry}'")
     if not any(by_name[s].terminal for s in reachable):
         raise fail(where, "stages", "no terminal stage: set 'terminal: true' on the stage that answers")
+    _check_replicas(stages)
     devices: dict[str, str] = {}
     for stage in stages:
         seen = devices.setdefault(stage.process_name, stage.device_key)

@@ -30,6 +30,7 @@ from voice_server.engine.launcher import Launcher, ProcessHandle, ProcessState
 from voice_server.engine.limits import EngineLimits
 from voice_server.engine.messages import Abort, Codec, Message, NewRequest, PeerDown, Probe, StatsQuery, StatsReply
 from voice_server.engine.outbox import Outbox
+from voice_server.engine.replicas import ReplicaPlanner, process_for
 from voice_server.engine.request_table import RequestTable
 from voice_server.engine.requests import (
     DeadlineExceeded,
@@ -73,8 +74,9 @@ class Coordinator:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._replicas = ReplicaPlanner(self.cfg, self._is_process_ready)
         self._requests = RequestTable(self._loop, self.cfg.terminal_stages, lambda ids: self._broadcast(Abort(ids)),
-                                      self.cfg.max_queued_outputs)
+                                      self.cfg.max_queued_outputs, on_end=self._replicas.release)
         self._is_started = True
         try:
             self._open()
@@ -121,7 +123,7 @@ class Coordinator:
         self._intake = CoordinatorIntake(
             self._inbox, self.codec, self.outbox, self._requests, self.supervisor, self.slab)
         self._inputs = InputSender(
-            self.cfg, self._peers, self.codec, self.outbox, self._loop, lambda: self._is_stopping)
+            self._peers, self.codec, self.outbox, self._loop, lambda: self._is_stopping)
         self._cleanups.append((self.supervisor.stop, False))
         # NOTE: runs first on stop (cleanups run in reverse): no process may outlive the launch.
         self._cleanups.append((self.launcher.terminate_all, True))  # NOTE: joins processes
@@ -146,9 +148,11 @@ class Coordinator:
 
     @property
     def is_ready(self) -> bool:
-        return self.is_start_done and not self._is_stopping and all(
-            h.state is ProcessState.READY for h in self.launcher.handles.values()
-        )
+        """Every stage can take a request: its process, or one replica of it, is ready."""
+        return self.is_start_done and not self._is_stopping and self.supervisor.unavailable_reason() is None
+
+    def _is_process_ready(self, process: str) -> bool:
+        return self.launcher.handles[process].state is ProcessState.READY
 
     def health(self) -> dict[str, Any]:
         """Public view (no PIDs, no launch id): each stage's state and restart history; `status` is
@@ -164,7 +168,7 @@ class Coordinator:
         return {
             "status": "ok" if self.is_ready else "unavailable", "pipeline": self.cfg.name,
             "num_inflight": len(self._requests), "max_inflight": self.limits.max_inflight_requests,
-            "stages": self.supervisor.describe(),
+            "stages": self.supervisor.describe(self._replicas.num_inflight),
         }
 
     # -- requests --------------------------------------------------------------------------------
@@ -195,13 +199,20 @@ class Coordinator:
             raise ValueError(f"request id {request_id!r} is already in flight")
         entry = self.cfg.entry_stage
         submitted = {"submit": time.monotonic()}
-        request = NewRequest(request_id, entry, payload, params, is_stream=stream_input, timings=submitted)
-        sock, data = encode_for(self._peers, self.codec, self.cfg.stage(entry).process_name, request, "request payload")
+        plan = self._replicas.plan(request_id)
+        try:
+            request = NewRequest(request_id, entry, payload, params, is_stream=stream_input, timings=submitted,
+                                 replicas=plan)
+            process = process_for(self.cfg, plan, entry)
+            sock, data = encode_for(self._peers, self.codec, process, request, "request payload")
+        except BaseException:
+            self._replicas.release(request_id)  # NOTE: refused: it never reached a replica
+            raise
         stream = self._requests.open(request_id, timeout_s if timeout_s is not None else self.limits.request_timeout_s)
         sock.send(data)
         if stream_input:
             is_live = self._requests.live_check(request_id)
-            stream.input = InputStream(request_id, entry, lambda msg: self._inputs.send(msg, is_live))
+            stream.input = InputStream(request_id, entry, lambda msg: self._inputs.send(msg, process, is_live))
         return stream
 
     @property
@@ -252,8 +263,13 @@ class Coordinator:
         owner = ipc.relay_owner(name, generation)
         stages = ", ".join(s.name for s in self.cfg.processes[name])
         sweep(self.launch_id, owner)
-        # NOTE: every stage is reachable from the entry, so every request in flight may touch it.
-        self._requests.fail_all(RequestError(f"stage process '{name}' ({stages}) died: {reason}"))
+        error = RequestError(f"stage process '{name}' ({stages}) died: {reason}")
+        if self._replicas.is_replica(name):
+            # NOTE: a replica holds only the requests planned on it; the other replicas keep serving theirs.
+            self._requests.fail_some(self._replicas.requests_on(name), error)
+        else:
+            # NOTE: every stage is reachable from the entry, so every request in flight may touch it.
+            self._requests.fail_all(error)
         self._broadcast(PeerDown(name, owner))
         self.reader.forget_owner(owner)
         self.slab.release_consumer(name)

@@ -33,6 +33,9 @@ class NewRequest:
     timings: dict[str, float] = field(default_factory=dict)
     """`submit` and stage name -> CLOCK_MONOTONIC time of its first output for this request, as
     far as the sender knows (first-audio latency per stage; see `TerminalOutput.timings`)."""
+    replicas: dict[str, str] = field(default_factory=dict)
+    """The request's replica plan (`engine/replicas.py`): replicated stage -> the process serving it, which
+    every hop forwards and follows; empty in a pipeline without replicas."""
 
 
 @dataclass(frozen=True)

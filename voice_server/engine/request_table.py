@@ -39,12 +39,15 @@ class RequestTable:
     def __init__(
         self, loop: asyncio.AbstractEventLoop, terminal_stages: tuple[str, ...],
         broadcast_abort: Callable[[list[str]], None], max_queued_outputs: int = 1024,
+        on_end: Callable[[str], None] | None = None,
     ) -> None:
         if isinstance(max_queued_outputs, bool) or not isinstance(max_queued_outputs, int) or max_queued_outputs < 1:
             raise ValueError(f"max_queued_outputs: must be an integer >= 1, got {max_queued_outputs!r}")
         self._loop, self._terminal_stages, self._broadcast_abort = loop, terminal_stages, broadcast_abort
         self.max_queued_outputs = max_queued_outputs
         self._requests: dict[str, RequestState] = {}
+        self._on_end = on_end
+        """Told each request id that ended, however it ended (the replica planner's loads)."""
         self.is_closed = False
 
     def __len__(self) -> int:
@@ -96,7 +99,11 @@ class RequestTable:
             self._broadcast_abort([request_id])  # other stages drop what they hold
 
     def fail_all(self, error: RequestError) -> None:
-        failed = [rid for rid in list(self._requests) if self._end(rid, error)]
+        self.fail_some(list(self._requests), error)
+
+    def fail_some(self, request_ids: list[str], error: RequestError) -> None:
+        """Fail those of `request_ids` still in flight, with one abort broadcast for all of them."""
+        failed = [rid for rid in request_ids if self._end(rid, error)]
         if failed:
             self._broadcast_abort(failed)
 
@@ -117,6 +124,8 @@ class RequestTable:
         if request.deadline is not None:
             request.deadline.cancel()
         request.queue.put_nowait(outcome)
+        if self._on_end is not None:
+            self._on_end(request_id)
         return True
 
     def _expire(self, request_id: str, timeout_s: float) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from voice_server.config import PipelineConfig
 from voice_server.engine.ipc import COORDINATOR
 from voice_server.engine.messages import Failure, Message, NewRequest, Output, StreamChunk, StreamDone
+from voice_server.engine.replicas import process_for
 from voice_server.engine.runtime import StageRuntime
 from voice_server.scheduling import Emit, EmitKind
 
@@ -40,12 +41,14 @@ def route(cfg: PipelineConfig, runtime: StageRuntime, emit: Emit) -> Route:
     params = runtime.params.get(rid, {})
     sent = dict(runtime.num_chunks_sent.get(rid, {}))
     timings = runtime.timings.setdefault(rid, {})
+    plan = runtime.replicas.get(rid, {})
     timings.setdefault(stage.name, time.monotonic())  # NOTE: this stage's first output for the request
     messages: list[tuple[str, Message]] = []
     for target in stage.stream_to:
-        process = cfg.stage(target).process_name
+        process = process_for(cfg, plan, target)  # NOTE: the same replica for every chunk of the request
         if target not in sent:  # open the downstream stream even if it will stay empty
-            messages.append((process, NewRequest(rid, target, {}, params, is_stream=True, timings=timings)))
+            messages.append((process, NewRequest(rid, target, {}, params, is_stream=True, timings=timings,
+                                                 replicas=plan)))
             sent[target] = 0
         if emit.kind is EmitKind.STREAM:
             messages.append((process, StreamChunk(rid, target, sent[target], emit.payload, timings)))
@@ -53,8 +56,8 @@ def route(cfg: PipelineConfig, runtime: StageRuntime, emit: Emit) -> Route:
         else:
             messages.append((process, StreamDone(rid, target, sent[target])))
     if emit.kind is EmitKind.RESULT and stage.next is not None:
-        messages.append((cfg.stage(stage.next).process_name,
-                         NewRequest(rid, stage.next, emit.payload, params, timings=timings)))
+        messages.append((process_for(cfg, plan, stage.next),
+                         NewRequest(rid, stage.next, emit.payload, params, timings=timings, replicas=plan)))
     if stage.terminal:
         # NOTE: `_`-keys are for downstream stages only (e.g. the thinker's talker feed), and the runner's
         # `next_only_keys` for its `next` stage: not the client's.

@@ -113,6 +113,8 @@ class StageRuntime:
     """Request id -> upstream stream chunks received so far (a gap fails the request)."""
     timings: dict[str, dict[str, float]] = field(default_factory=dict)
     """Request id -> first-output times of this stage and those upstream (`NewRequest.timings`)."""
+    replicas: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Request id -> its replica plan (`NewRequest.replicas`), which routes its outputs; absent when empty."""
 
     def forget(self, request_id: str) -> list[ShmRef]:
         """The request left the stage: drop its state, return the relay slots to ack."""
@@ -120,5 +122,6 @@ class StageRuntime:
         self.num_chunks_sent.pop(request_id, None)
         self.num_chunks_received.pop(request_id, None)
         self.timings.pop(request_id, None)
+        self.replicas.pop(request_id, None)
         self.runner.release(request_id)
         return self.held_refs.pop(request_id, [])

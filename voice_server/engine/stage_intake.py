@@ -32,6 +32,7 @@ from voice_server.engine.messages import (
     StreamDone,
 )
 from voice_server.engine.outbox import Outbox
+from voice_server.engine.replicas import is_valid_plan
 from voice_server.engine.runtime import StageRuntime
 from voice_server.logs import rate_key
 from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
@@ -148,6 +149,14 @@ class StageIntake:
                 log.warning("dropped a second NewRequest for %s", rid)
                 self.outbox.ack(refs)
                 return
+            if not is_valid_plan(self.spec.pipeline, msg.replicas):
+                # NOTE: its outputs would go to a process that does not run their stage (or none at all).
+                self.num_dropped_messages += 1
+                log.warning("dropped a NewRequest for %s with a foreign replica plan", rid)
+                self.outbox.ack(refs)
+                return
+            if msg.replicas:
+                runtime.replicas[rid] = msg.replicas
             runtime.params[rid] = msg.params
             runtime.num_chunks_received[rid] = 0
             runtime.timings[rid] = dict(msg.timings)

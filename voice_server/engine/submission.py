@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import zmq
 
-from voice_server.config import PipelineConfig
 from voice_server.engine import ipc
 from voice_server.engine.messages import Codec, Message, StreamChunk, StreamDone
 from voice_server.engine.outbox import Outbox
@@ -41,20 +40,20 @@ class InputSender:
     """Every session's streamed input (`InputStream`) to the entry stages, sent once per event-loop turn."""
 
     def __init__(
-        self, cfg: PipelineConfig, peers: ipc.Peers, codec: Codec, outbox: Outbox, loop: asyncio.AbstractEventLoop,
+        self, peers: ipc.Peers, codec: Codec, outbox: Outbox, loop: asyncio.AbstractEventLoop,
         is_stopping: Callable[[], bool],
     ) -> None:
-        self.cfg, self._peers, self.codec, self.outbox, self._loop = cfg, peers, codec, outbox, loop
+        self._peers, self.codec, self.outbox, self._loop = peers, codec, outbox, loop
         self._is_stopping = is_stopping
 
-    def send(self, msg: StreamChunk | StreamDone, is_live: Callable[[], bool]) -> bool:
-        """One piece of a client's streamed input to the entry stage; False once the request has ended."""
+    def send(self, msg: StreamChunk | StreamDone, process: str, is_live: Callable[[], bool]) -> bool:
+        """One piece of a client's streamed input to the entry stage's `process` (the request's replica of it);
+        False once the request has ended."""
         if self._is_stopping() or not is_live():
             # NOTE: nothing is encoded, so no relay slot is taken for a request the stages dropped;
             # chunks already sent are acked by the entry stage (held until the request leaves it,
             # or at once when they arrive after its abort).
             return False
-        process = self.cfg.stage(msg.stage).process_name
         # NOTE: the socket is connected now, so that the flush cannot fail on it.
         _, data = encode_for(self._peers, self.codec, process, msg, "input chunk")
         # NOTE: the pieces every session sends in one loop turn go to a stage as one multipart message (each

@@ -181,32 +181,54 @@ class Supervisor:
 
     # -- what the coordinator reports -------------------------------------------------------------
 
-    def describe(self) -> dict[str, dict[str, Any]]:
-        """Stage name -> its process's state and restart history (public: no PIDs)."""
+    def describe(self, num_inflight: Callable[[str], int] | None = None) -> dict[str, dict[str, Any]]:
+        """Stage name -> its process's state and restart history (public: no PIDs). A replicated stage is
+        `ready` while one replica is, and lists each under `replicas` with its requests in flight
+        (`num_inflight(process)`, the coordinator's count)."""
         stages = {}
         for stage in self.cfg.stages:
-            handle = self.launcher.handles[stage.process_name]
-            entry: dict[str, Any] = {
-                "process": handle.name, "state": handle.state.value, "generation": handle.generation,
-                "num_restarts": handle.num_restarts,
-            }
-            if handle.state is ProcessState.STARTING and stage.name in handle.phases:
-                entry["phase"] = handle.phases[stage.name]
-            if handle.facts.get(stage.name):
-                entry["runner"] = dict(handle.facts[stage.name])
-            restart_in_s = self.restart_in_s(handle)
-            if restart_in_s is not None:
-                entry["restart_in_s"] = round(restart_in_s, 2)
-                entry["last_error"] = handle.last_error[:200]
-            stages[stage.name] = entry
+            handles = [self.launcher.handles[p] for p in stage.process_names]
+            if len(handles) == 1:
+                stages[stage.name] = self._describe_handle(stage.name, handles[0])
+                continue
+            replicas = {}
+            for handle in handles:
+                replicas[handle.name] = self._describe_handle(stage.name, handle)
+                if num_inflight is not None:
+                    replicas[handle.name]["num_inflight"] = num_inflight(handle.name)
+            ready = [h for h in handles if h.state is ProcessState.READY]
+            state = ProcessState.READY if ready else handles[0].state
+            # NOTE: the restarts summed, so `/metrics`' per-stage restart count covers every replica.
+            stages[stage.name] = {"process": stage.process_name, "state": state.value,
+                                  "num_restarts": sum(h.num_restarts for h in handles),
+                                  "num_ready_replicas": len(ready), "replicas": replicas}
         return stages
 
+    def _describe_handle(self, stage: str, handle: ProcessHandle) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "process": handle.name, "state": handle.state.value, "generation": handle.generation,
+            "num_restarts": handle.num_restarts,
+        }
+        if handle.state is ProcessState.STARTING and stage in handle.phases:
+            entry["phase"] = handle.phases[stage]
+        if handle.facts.get(stage):
+            entry["runner"] = dict(handle.facts[stage])
+        restart_in_s = self.restart_in_s(handle)
+        if restart_in_s is not None:
+            entry["restart_in_s"] = round(restart_in_s, 2)
+            entry["last_error"] = handle.last_error[:200]
+        return entry
+
     def unavailable_reason(self) -> str | None:
-        """Why the pipeline cannot take a request now (a process not ready), or None."""
-        for handle in self.launcher.handles.values():
-            if handle.state is ProcessState.READY:
-                continue
+        """Why the pipeline cannot take a request now (a stage with no ready process), or None."""
+        for stage in self.cfg.stages:
+            handles = [self.launcher.handles[p] for p in stage.process_names]
+            if any(h.state is ProcessState.READY for h in handles):
+                continue  # NOTE: one ready replica serves the stage
+            handle = handles[0]
             reason = f"stage process '{handle.name}' is {handle.state.value}"
+            if len(handles) > 1:
+                reason = f"no replica of stage '{stage.name}' is ready ({reason})"
             restart_in_s = self.restart_in_s(handle)
             if restart_in_s is not None:
                 reason += f" (next attempt in {restart_in_s:.1f} s; last error: {handle.last_error})"
