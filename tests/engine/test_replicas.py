@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from harness import Pipeline, shm_segments, wait_for
 
-from voice_server.config import BudgetError, ConfigError, pipeline_from_dict, plan_budget
+from voice_server.config import BudgetError, ConfigError, format_budget, pipeline_from_dict, plan_budget
 from voice_server.engine.coordinator import RequestError
 from voice_server.engine.replicas import ReplicaPlanner, is_valid_plan
 
@@ -61,6 +62,9 @@ def test_each_replica_holds_the_stage_memory_fraction_in_the_budget() -> None:
     raw["stages"][0]["memory_fraction"] = 0.3
     with pytest.raises(BudgetError, match=r"1\.100 > 1\.0 \(framer=0\.3, tag=0\.4x2\)"):
         plan_budget(pipeline_from_dict(raw))
+    raw["stages"][0]["memory_fraction"] = 0.1
+    table = format_budget(plan_budget(pipeline_from_dict(raw)))
+    assert "0.4x2" in table and re.search(r"total cpu\s+cpu\s+0\.9\b", table), table
 
 
 def test_the_planner_picks_the_least_loaded_ready_replica_and_forgets_ended_requests() -> None:

@@ -35,6 +35,8 @@ class StageBudget:
     fraction: float
     num_bytes: int | None
     """Resolved for `cpu` at launch; for GPUs the stage process resolves it with torch."""
+    replicas: int = 1
+    """Processes of the stage, each holding `fraction` (`StageConfig.replicas`)."""
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -90,6 +92,7 @@ def plan_budget(cfg: PipelineConfig) -> list[StageBudget]:
             device=s.device_key,
             fraction=s.memory_fraction,
             num_bytes=int(host * s.memory_fraction) if s.device_key == "cpu" else None,
+            replicas=s.replicas,
         )
         for s in cfg.stages
     ]
@@ -168,7 +171,8 @@ def format_budget(budgets: list[StageBudget], memory: MemoryPlan | None = None) 
     notes: list[str] = []
     for b in budgets:
         size = f"{b.num_bytes / 2**30:.2f} GiB" if b.num_bytes is not None else "(resolved on device)"
-        row: tuple[str, ...] = (b.stage, b.device, f"{b.fraction:g}", size)
+        fraction = f"{b.fraction:g}" + (f"x{b.replicas}" if b.replicas > 1 else "")
+        row: tuple[str, ...] = (b.stage, b.device, fraction, size)
         if memory is not None:
             planned = memory.get(b.stage, "not planned")
             if isinstance(planned, StageMemory):
@@ -179,7 +183,7 @@ def format_budget(budgets: list[StageBudget], memory: MemoryPlan | None = None) 
         rows.append(row)
     devices = sorted({b.device for b in budgets})
     for device in devices:
-        total = sum(b.fraction for b in budgets if b.device == device)
+        total = sum(b.fraction * b.replicas for b in budgets if b.device == device)
         rows.append((f"total {device}", device, f"{total:g}", ""))
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
