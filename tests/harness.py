@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import pytest
 
 from voice_server.config import PipelineConfig
-from voice_server.engine.coordinator import Coordinator, StartupError
+from voice_server.engine.coordinator import Coordinator, RequestError, StartupError
 
 T = TypeVar("T")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -51,6 +51,19 @@ class Pipeline:
     def collect(self, payload: dict[str, Any], params: dict[str, Any] | None = None) -> list[Any]:
         async def go() -> list[Any]:
             return [o async for o in self.coordinator.submit(payload, params)]
+
+        return self.run(go())
+
+    def collect_all(self, payloads: list[dict[str, Any]], params: dict[str, Any] | None = None) -> list[Any]:
+        """Every payload submitted at once: each one's outputs, or the RequestError that ended it."""
+        async def one(payload: dict[str, Any]) -> Any:
+            try:
+                return [o async for o in self.coordinator.submit(payload, params)]
+            except RequestError as exc:
+                return exc
+
+        async def go() -> list[Any]:
+            return await asyncio.gather(*(one(p) for p in payloads))
 
         return self.run(go())
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ from voice_server.models.qwen3_omni.presets import TINY_IDS, tiny_config_dict
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
 from voice_server.models.qwen3_omni.thinker.model import ThinkerModel
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
+from voice_server.models.qwen3_omni.turn import TurnModels, load_turn_models
 
 IDS = TINY_IDS
 MERGE = 2
@@ -172,3 +174,12 @@ PROMPTS: dict[str, Prompt] = {
         second_per_grid=[0.5], audio_frames=[330], is_audio_in_video=True, seed=6,
     ),
 }
+
+
+def save_vision_reference(ckpt: Path, seed: int = 0) -> tuple[torch.nn.Module, TurnModels]:
+    """transformers' whole model at the tiny vision config with seeded random weights, saved to `ckpt`, and our
+    three parts loaded back from that checkpoint."""
+    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**vision_config_dict()))
+    randomize_(ref.eval(), seed=seed)
+    ref.save_pretrained(ckpt)
+    return ref, load_turn_models(ckpt)

@@ -4,7 +4,6 @@ the audio embeddings (through the relay) and expanded token ids; a malformed req
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -54,24 +53,11 @@ def with_audio(clip: np.ndarray) -> dict[str, Any]:
     return {"token_ids": ids, "audio": [clip], "note": {"kept": "x"}}
 
 
-def submit_all(omni: Pipeline, payloads: list[dict[str, Any]]) -> list[Any]:
-    async def one(payload: dict[str, Any]) -> Any:
-        try:
-            return [o async for o in omni.coordinator.submit(payload, {})]
-        except RequestError as exc:
-            return exc
-
-    async def go() -> list[Any]:
-        return await asyncio.gather(*(one(p) for p in payloads))
-
-    return omni.run(go())
-
-
 @torch.no_grad()
 def test_concurrent_requests_reach_the_next_stage_encoded(omni: Pipeline) -> None:
     long_clip, short_clip = pcm(2.6, 1), pcm(0.7, 2)
     text_only = {"token_ids": tiny_prompt_ids(num_user_text=5), "note": {"kept": "y"}}
-    results = submit_all(omni, [with_audio(long_clip), text_only, with_audio(short_clip)])
+    results = omni.collect_all([with_audio(long_clip), text_only, with_audio(short_clip)])
     got = [outputs[-1].payload for outputs in results]
     assert got[1] == {**text_only, "received_keys": sorted(text_only)}
     cfg = Qwen3OmniConfig.from_hf_dict(tiny_config_dict())
@@ -95,7 +81,7 @@ def test_a_malformed_request_fails_alone(omni: Pipeline) -> None:
     bad = with_audio(pcm(1.0, 3).astype(np.float64))
     too_long = with_audio(pcm(5.5, 4))
     good = with_audio(pcm(1.2, 5))
-    results = submit_all(omni, [bad, good, too_long])
+    results = omni.collect_all([bad, good, too_long])
     assert isinstance(results[0], RequestError) and "payload.audio[0]: samples must be float32" in str(results[0])
     assert isinstance(results[2], RequestError) and "payload.audio[0]: has 88000 samples" in str(results[2])
     (num_frames,) = LogMelFrontEnd().feature_lens([good["audio"][0].shape[0]])

@@ -5,9 +5,7 @@ budget fails alone while the requests beside it complete."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -50,19 +48,6 @@ def prompt(*blocks: list[int]) -> list[int]:
     return base[:3] + [t for b in blocks for t in b] + base[3:]
 
 
-def submit_all(omni: Pipeline, payloads: list[dict[str, Any]]) -> list[Any]:
-    async def one(payload: dict[str, Any]) -> Any:
-        try:
-            return [o async for o in omni.coordinator.submit(payload, {})]
-        except RequestError as exc:
-            return exc
-
-    async def go() -> list[Any]:
-        return await asyncio.gather(*(one(p) for p in payloads))
-
-    return omni.run(go())
-
-
 @torch.inference_mode()
 def test_images_and_video_reach_the_next_stage_and_a_too_large_image_fails_alone(omni: Pipeline) -> None:
     video = {"frames": pixels((16, 48, 40, 3), 1), "fps": 2.0}  # NOTE: 8 temporal patches of 25 x 21 patches
@@ -70,7 +55,7 @@ def test_images_and_video_reach_the_next_stage_and_a_too_large_image_fails_alone
                  "note": "kept"},
                 {"token_ids": prompt(IMAGE), "images": [pixels((1600, 1200, 3), 3)]},
                 {"token_ids": prompt(IMAGE), "images": [pixels((30, 20), 4)]}]
-    results = submit_all(omni, payloads)
+    results = omni.collect_all(payloads)
     assert isinstance(results[1], RequestError)
     assert "payload.images[0]: one frame of 1600x1200 pixels" in str(results[1])
     assert f"activation budget (factory_args.activation_budget_mb) is {BUDGET_MB / 1024:.2f} GiB" in str(results[1])

@@ -20,12 +20,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import transformers
 from harness import Pipeline, shm_segments
 from image_inputs import pixels, png
-from omni_reference import randomize_
 from omni_vision_turns import Limits, check_streamed, reference_turn, submit_all
-from thinker_vision_reference import IDS, chat, vision_config_dict
+from thinker_vision_reference import IDS, chat, save_vision_reference
 
 from voice_server.config import pipeline_from_dict
 from voice_server.models.qwen3_omni.audio.encoder import AudioEncoder
@@ -34,7 +32,7 @@ from voice_server.models.qwen3_omni.chat import chat_inputs, tiny_encode
 from voice_server.models.qwen3_omni.loading import load_part
 from voice_server.models.qwen3_omni.presets import tiny_prompt_ids
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
-from voice_server.models.qwen3_omni.turn import TurnModels, load_turn_models
+from voice_server.models.qwen3_omni.turn import TurnModels
 from voice_server.models.qwen3_omni.vision.encoder import VisionEncoder
 from voice_server.runners.encoder_runner import AudioEncoderRunner, AudioEncoderRunnerConfig
 from voice_server.runners.vision_input import AdmittedVision, VisionInputConfig
@@ -48,10 +46,7 @@ IMAGE = [IDS["vision_start"], IDS["image"], IDS["vision_end"]]
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, TurnModels, Path]:
     ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni_vision_encoder")
-    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**vision_config_dict()))
-    randomize_(ref.eval(), seed=1)
-    ref.save_pretrained(ckpt)
-    return ref, load_turn_models(ckpt), ckpt
+    return (*save_vision_reference(ckpt, seed=1), ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -23,9 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 from harness import Pipeline, shm_segments
-from omni_reference import randomize_
 from omni_vision_turns import Limits, check_streamed, params_of, reference_turn, submit_all
 from thinker_vision_reference import (
     IDS,
@@ -38,13 +36,13 @@ from thinker_vision_reference import (
     chat,
     hf_tower,
     image_block,
-    vision_config_dict,
+    save_vision_reference,
     visual_inputs,
 )
 
 from voice_server.config import pipeline_from_dict
 from voice_server.models.qwen3_omni.thinker.visual import visual_deepstack
-from voice_server.models.qwen3_omni.turn import TurnModels, load_turn_models
+from voice_server.models.qwen3_omni.turn import TurnModels
 
 torch.set_num_threads(1)
 MAX_STEP_TOKENS = 16
@@ -54,10 +52,7 @@ MAX_STEP_TOKENS = 16
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, TurnModels, Path]:
     ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni_vision")
-    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**vision_config_dict()))
-    randomize_(ref.eval())
-    ref.save_pretrained(ckpt)
-    return ref, load_turn_models(ckpt), ckpt
+    return (*save_vision_reference(ckpt), ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,8 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
-from omni_reference import hf_turn, randomize_
-from thinker_vision_reference import PROMPTS, hf_tower, vision_config_dict, visual_inputs
+from omni_reference import hf_turn
+from thinker_vision_reference import PROMPTS, hf_tower, save_vision_reference, visual_inputs
 from transformers import GenerationMixin
 
 from voice_server.models.qwen3_omni.talker.prefill import build_talker_prefill
@@ -26,7 +25,6 @@ from voice_server.models.qwen3_omni.thinker.rope import continue_positions
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.models.qwen3_omni.turn import (
     TurnModels,
-    load_turn_models,
     run_greedy_thinker,
     run_greedy_turn,
     talker_rope_layout,
@@ -41,10 +39,7 @@ MAX_FRAMES = 7
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, TurnModels]:
     ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni_vision")
-    ref = transformers.Qwen3OmniMoeForConditionalGeneration(transformers.Qwen3OmniMoeConfig(**vision_config_dict()))
-    randomize_(ref.eval())
-    ref.save_pretrained(ckpt)
-    return ref, load_turn_models(ckpt)
+    return save_vision_reference(ckpt)
 
 
 @pytest.mark.parametrize("name", ["image", "two_images", "video", "video_fractional_time"])
