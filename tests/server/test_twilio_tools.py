@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import time
-from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,14 +24,14 @@ from session_server import STEP_DELAY_MS, SessionServer, serve
 from speech_signals import signal_of
 from text_stages import text_deltas
 from tool_webhooks import ToolWebhooks
-from twilio_phone import Phone, ulaw_of
+from twilio_phone import Calls, Phone, ulaw_of
 from websockets.exceptions import ConnectionClosed
 
 from voice_server.audio import ResamplerSpec
 from voice_server.config import pipeline_from_dict
-from voice_server.session.events import InputCommitted, ResponseDone, ResponseStarted, ToolCalled
+from voice_server.session.events import InputCommitted, ResponseStarted, ToolCalled
 from voice_server.session.tools import Tool
-from voice_server.session.twilio import TwilioDtmf, TwilioStart
+from voice_server.session.twilio import TwilioDtmf
 from voice_server.session.twilio.settings import TwilioSettings
 
 WEATHER: dict[str, Any] = {"type": "function", "name": "get_weather", "description": "The weather in a city now.",
@@ -52,22 +51,6 @@ def call(city: str) -> str:
 def spoken_samples(text: str) -> int:
     """What a reply of `text` sends the phone: a tone per delta, resampled 24 -> 8 kHz (its filter's tail too)."""
     return len(text_deltas(text)) * WORD_SAMPLES + TAIL
-
-
-class Calls:
-    """The call listener: every event of every call, with the time it happened, by call sid."""
-
-    def __init__(self) -> None:
-        self.events: dict[str, list[tuple[float, Any]]] = defaultdict(list)
-
-    def __call__(self, start: TwilioStart, event: Any) -> None:
-        self.events[start.call_sid].append((time.monotonic(), event))
-
-    def of(self, phone: Phone, kind: type) -> list[tuple[float, Any]]:
-        return [(at, e) for at, e in list(self.events[phone.call_sid]) if isinstance(e, kind)]
-
-    def done(self, phone: Phone) -> list[ResponseDone]:
-        return [e for _, e in self.of(phone, ResponseDone)]
 
 
 @pytest.fixture(scope="module")

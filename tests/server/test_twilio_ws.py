@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
 from typing import Any
 
 import numpy as np
 import pytest
 from session_server import SessionServer
 from speech_signals import signal_of
-from twilio_phone import Phone, ulaw_of
+from twilio_phone import Calls, Phone, ulaw_of
 
 from voice_server.audio import ResamplerSpec, ulaw_decode
 from voice_server.session.conversation import cut_text
@@ -25,19 +24,6 @@ from voice_server.session.twilio.settings import TwilioSettings
 
 TURN = ulaw_of(signal_of(16000, ("noise", 300), ("voice", 900)))
 WORD_SAMPLES = 640  # NOTE: the stand-in stage speaks 80 ms per word: 640 samples at 8 kHz
-
-
-class Calls:
-    """The call listener: every event of every call, with the time it happened, by call sid."""
-
-    def __init__(self) -> None:
-        self.events: dict[str, list[tuple[float, Any]]] = defaultdict(list)
-
-    def __call__(self, start: TwilioStart, event: Any) -> None:
-        self.events[start.call_sid].append((time.monotonic(), event))
-
-    def of(self, phone: Phone, kind: type) -> list[tuple[float, Any]]:
-        return [(at, e) for at, e in list(self.events[phone.call_sid]) if isinstance(e, kind)]
 
 
 @pytest.fixture

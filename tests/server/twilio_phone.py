@@ -4,14 +4,14 @@ It speaks the wire format Twilio does (counters as decimal strings, `customParam
 frames every 20 ms of real time) and plays what the server sends as a phone would: the received audio
 is queued and plays in real time, a mark is echoed when the audio queued before it has played, and a
 `clear` drops the queued audio and echoes every pending mark at once (as Twilio does; those echoes
-are not counted as played here either).
+are not counted as played here either). `Calls` is the call listener the tests give the server.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import deque
+from collections import defaultdict, deque
 from typing import Any
 
 import numpy as np
@@ -19,6 +19,8 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from voice_server.audio import b64decode, b64encode, float32_to_pcm16, resample_signal, ulaw_encode
+from voice_server.session.events import ResponseDone
+from voice_server.session.twilio import TwilioStart
 
 RATE = 8000
 FRAME = 160  # NOTE: 20 ms of 8 kHz mu-law, what Twilio sends per media message
@@ -149,3 +151,19 @@ class Phone:
 
     def _echo(self, name: str) -> None:
         self.send("mark", mark={"name": name})
+
+
+class Calls:
+    """The call listener: every event of every call, with the time it happened, by call sid."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, list[tuple[float, Any]]] = defaultdict(list)
+
+    def __call__(self, start: TwilioStart, event: Any) -> None:
+        self.events[start.call_sid].append((time.monotonic(), event))
+
+    def of(self, phone: Phone, kind: type) -> list[tuple[float, Any]]:
+        return [(at, e) for at, e in list(self.events[phone.call_sid]) if isinstance(e, kind)]
+
+    def done(self, phone: Phone) -> list[ResponseDone]:
+        return [e for _, e in self.of(phone, ResponseDone)]

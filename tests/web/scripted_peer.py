@@ -118,6 +118,16 @@ class ScriptedServer:
             self.record["error"] = f"{type(exc).__name__}: {exc}"
             await websocket.close(1011, "script failed")
 
+    def waiter(self, demo: Any) -> Callable[[str], None]:
+        """`demo.wait`, whose timeout also says how the script failed (else the wait would only time out)."""
+        def wait(condition: str) -> None:
+            try:
+                demo.wait(condition)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\nscript: {self.record.get('error')}") from None
+
+        return wait
+
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)

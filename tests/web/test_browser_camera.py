@@ -186,11 +186,7 @@ def test_the_page_sends_frames_exactly_on_the_wire(browser: Browser) -> None:
     scripted = ScriptedServer(refused_then_accepted)
     demo = DemoPage(browser, f"http://127.0.0.1:{scripted.port}/")
 
-    def wait(condition: str) -> None:
-        try:
-            demo.wait(condition)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nscript: {scripted.record.get('error')}") from None
+    wait = scripted.waiter(demo)
 
     try:
         demo.start()

@@ -109,11 +109,7 @@ def test_the_page_maps_the_native_protocol(browser: Browser, scripted: ScriptedS
 
 
 def _converse(demo: DemoPage, scripted: ScriptedServer) -> None:
-    def wait(condition: str) -> None:
-        try:
-            demo.wait(condition)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nscript: {scripted.record.get('error')}") from None
+    wait = scripted.waiter(demo)
 
     demo.start()
     # The spoken turn: the transcript fills the user's bubble, the empty committed text keeps it.

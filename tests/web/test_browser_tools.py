@@ -168,11 +168,7 @@ def test_the_page_answers_calls_exactly_on_the_wire(browser: Browser) -> None:
     scripted = ScriptedServer(tool_calls)
     demo = DemoPage(browser, f"http://127.0.0.1:{scripted.port}/?tools=1")
 
-    def wait(condition: str) -> None:
-        try:
-            demo.wait(condition)
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nscript: {scripted.record.get('error')}") from None
+    wait = scripted.waiter(demo)
 
     try:
         assert demo.page.is_checked("#tools")
