@@ -25,6 +25,7 @@ from voice_server.models.qwen3_omni.thinker.visual import Deepstack, VisualInput
 from voice_server.models.qwen3_omni.turn import run_greedy_thinker
 from voice_server.runners.ar_config import DecoderRunnerConfig
 from voice_server.runners.feed_chunk import TALKER_FEED_KEY, FeedChunk
+from voice_server.runners.prompt_positions import PromptPositions
 from voice_server.runners.thinker_runner import ThinkerRunner
 from voice_server.runners.thinker_visual import PromptVision, admit_vision
 from voice_server.scheduling import AdmissionError, ARScheduler, Emit, EmitKind, WorkItem, WorkKind
@@ -143,7 +144,7 @@ def test_rows_past_a_fractional_prompt_continue_as_transformers_generate() -> No
     positions = torch.arange(num_prompt, dtype=torch.float32).expand(3, -1).clone()
     positions[:, -1] = last
     vision = PromptVision([], torch.zeros(0, 4), Deepstack(torch.zeros(0, dtype=torch.long), torch.zeros(1, 0, 4)),
-                          positions, last + 1 - num_prompt, VisualInputs())
+                          PromptPositions(positions), VisualInputs())
     kwargs = {"position_ids": last.expand(4, 1, 1)}
     for _ in range(num):
         kwargs = GenerationMixin._update_model_kwargs_for_generation(None, {}, kwargs)  # type: ignore[arg-type]

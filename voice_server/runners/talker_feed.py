@@ -14,9 +14,9 @@ rebuilt from stored vectors, so a preempted request recomputes exactly.
 
 Positions: 0..L-1 on all three axes, then one per frame, unless the prompt has images or videos: then
 the prefill's rows take the M-RoPE positions `build_talker_prefill` gives them (the grids' walk over the
-talker's own input ids) and every later row the one before + 1 (`rope_rows`), as transformers' frame loop
-does: `p + delta` for whole positions; float32 sums one at a time (`continue_positions`) where a video's
-frame times are fractional (`is_fractional`).
+talker's own input ids) and every later row the one before + 1, as transformers' frame loop does
+(`voice_server/runners/prompt_positions.py`, shared with the thinker; float32 where a video's frame times are
+fractional: `is_fractional`).
 
 A reply with no token to speak (the thinker's end after at most one token: its EOS at once, or a reply
 that was only tool calls, whose tokens the thinker's stage never streams) is silent: no prefill, and the
@@ -32,9 +32,10 @@ import torch
 
 from voice_server.models.qwen3_omni.talker.model import Talker
 from voice_server.models.qwen3_omni.talker.prefill import TurnTokenIds, build_talker_prefill
-from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, continue_positions
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout
 from voice_server.models.qwen3_omni.thinker.visual import VisualInputs
 from voice_server.runners.feed_chunk import FeedChunk
+from voice_server.runners.prompt_positions import PromptPositions
 from voice_server.scheduling import AdmissionError
 
 
@@ -52,15 +53,9 @@ class TalkerFeed:
     is_thinker_done: bool = False
     prefill: torch.Tensor | None = None
     """Talker input rows of the prefill [L, H] once built."""
-    prefill_positions: torch.Tensor | None = None
-    """[3, L] positions of the prefill rows when the prompt has images or videos (None: 0..L-1): int64, or
-    float32 where a video's frame times are fractional."""
-    rope_delta: int = 0
-    """Whole positions: row p past the prefill sits at p + rope_delta on every axis."""
-    later_positions: torch.Tensor | None = None
-    """Fractional positions: the last prefill row's, then those of the rows past it reached so far ([n] float32,
-    on the host; every axis), extended as steps reach further rows (a function of the prefill alone, so a
-    step that fails after extending it changes nothing)."""
+    rope: PromptPositions | None = None
+    """The rows' positions when the prompt has images or videos (None: 0..L-1 and on): the prefill's [3, L],
+    int64 or float32 where a video's frame times are fractional, and every row after it."""
     text_vectors: list[torch.Tensor] = field(default_factory=list)
     """Projected trailing text vectors [H] known so far (tts_eos last once the thinker ended)."""
     tts_pad: torch.Tensor | None = None
@@ -132,18 +127,22 @@ class TalkerFeed:
             raise AdmissionError(f"talker prefill: {exc}") from exc
         self.tts_pad = prefill.tts_pad[0, 0]
         if self.visual is not None:
-            positions = prefill.positions[:, 0]
-            self.prefill_positions = positions
-            if positions.is_floating_point():
-                self.later_positions = positions[0, -1:].cpu()  # NOTE: seeded with the last prefill row's
-            else:
-                self.rope_delta = int(positions.max()) + 1 - positions.shape[1]
+            self.rope = PromptPositions(prefill.positions[:, 0])
         return prefill.inputs_embeds[0]
+
+    @property
+    def prefill_positions(self) -> torch.Tensor | None:
+        return None if self.rope is None else self.rope.positions
+
+    @property
+    def rope_delta(self) -> int:
+        """Whole positions: row p past the prefill sits at p + rope_delta on every axis."""
+        return 0 if self.rope is None else self.rope.delta
 
     @property
     def is_fractional(self) -> bool:
         """The prompt's positions are float32 (a video with fractional frame times): see `rope_rows`."""
-        return self.later_positions is not None
+        return self.rope is not None and self.rope.is_fractional
 
     def input_rows(self, start: int, end: int) -> torch.Tensor:
         """Talker input rows of positions [start, end) (prefill rows, then feedback rows)."""
@@ -157,27 +156,7 @@ class TalkerFeed:
     def rope_rows(self, start: int, end: int) -> torch.Tensor | None:
         """[3, end - start] positions of rows [start, end), the prefill's dtype; None when they are start..end-1
         (no vision)."""
-        if self.prefill_positions is None:
-            return None
-        num_prefill = self.prefill_positions.shape[1]
-        rows = self.prefill_positions[:, start:min(end, num_prefill)]
-        if end <= num_prefill:
-            return rows
-        if self.later_positions is None:
-            later = torch.arange(max(start, num_prefill), end, device=rows.device) + self.rope_delta
-        else:
-            later = self._fractional_rows(max(start, num_prefill), end).to(rows.device)
-        return torch.cat((rows, later.expand(3, -1)), dim=1)
-
-    def _fractional_rows(self, start: int, end: int) -> torch.Tensor:
-        """[end - start] float32 positions of rows [start, end) past the prefill, from `later_positions`."""
-        assert self.later_positions is not None and self.prefill_positions is not None
-        first = self.prefill_positions.shape[1] - 1  # NOTE: later_positions[0] is the last prefill row's
-        known = self.later_positions
-        if known.shape[0] < end - first:
-            more = continue_positions(known[-1], end - first - known.shape[0])
-            known = self.later_positions = torch.cat((known, more))
-        return known[start - first:end - first]
+        return None if self.rope is None else self.rope.rows(start, end)
 
     def text_vector(self, m: int) -> torch.Tensor:
         if m < len(self.text_vectors):

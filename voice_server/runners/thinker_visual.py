@@ -10,9 +10,9 @@ and `video_second_per_grid` [seconds per temporal patch of each video]. `admit_v
 (`voice_server/models/qwen3_omni/thinker/rope.py`: each block's rows sit on its t / h / w grid, the text
 after a block resumes past the block's largest position), giving a `PromptVision`.
 
-In a step (`step_positions`, `step_deepstack`): a row of the prompt takes its stored positions, every
-later row (streamed prompt text, generated tokens) `p + delta` on all three axes (float32 ones, after a video
-whose frame times are fractional: the row before + 1, as transformers' generate continues), and the prompt's image
+In a step (`step_positions`, `step_deepstack`): every row takes its M-RoPE positions (`prompt_positions.py`: a
+prompt row its stored ones, a later row, streamed prompt text or a generated token, `p + delta` on all three axes
+or, after a video whose frame times are fractional, the row before + 1), and the prompt's image
 and video rows take their DeepStack features, each chunk its own share at its rows of the step, so a
 chunked prefill may cut a block anywhere. Every row is rebuilt from this stored state, so a preempted
 request recomputes exactly.
@@ -21,15 +21,16 @@ request recomputes exactly.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from voice_server.models.qwen3_omni.thinker.config import ThinkerConfig
-from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, continue_positions, get_rope_index
+from voice_server.models.qwen3_omni.thinker.rope import RopeLayout, get_rope_index
 from voice_server.models.qwen3_omni.thinker.visual import Deepstack, VisualInputs
 from voice_server.runners.payload import float_array, float_rows, int_rows, positive_floats
+from voice_server.runners.prompt_positions import PromptPositions
 from voice_server.scheduling import AdmissionError
 
 GRID_KEYS = ("image_grid_thw", "video_grid_thw", "video_second_per_grid")
@@ -44,31 +45,14 @@ class PromptVision:
     """Prompt positions of the image and video placeholders, in order: the rows of `embeds`."""
     embeds: torch.Tensor  # [M, H]
     deepstack: Deepstack  # rows: prompt positions
-    positions: torch.Tensor  # [3, L] int64, float32 where a video's frame times are fractional
-    delta: torch.Tensor  # 0-d, positions' dtype: row p past the prompt sits at p + delta on every axis
+    positions: PromptPositions
+    """Its rows' M-RoPE positions (the prompt's, and every row after it)."""
     grids: VisualInputs
     """The grids alone (no features): what the talker needs for its prefill positions."""
-    later: list[torch.Tensor] = field(default_factory=list)
-    """Fractional prompts: the positions of the rows past the prompt known so far (grown by `rope_rows`)."""
 
     def rope_rows(self, start: int, end: int) -> torch.Tensor:
         """[3, end - start] positions of rows [start, end)."""
-        num_prompt = self.positions.shape[1]
-        parts = [self.positions[:, start:min(end, num_prompt)]] if start < num_prompt else []
-        if end > num_prompt:
-            first = max(start, num_prompt)
-            if self.positions.is_floating_point():
-                # NOTE: each row the one before + 1 in float32, as transformers' generate appends them: `p + delta`
-                # rounds once and drifts an ulp away on long prompts. Kept, so a re-run row gets the same value.
-                missing = end - num_prompt - len(self.later)
-                if missing > 0:
-                    last = self.later[-1] if self.later else self.positions[0, -1]
-                    self.later.extend(continue_positions(last, missing).unbind())
-                later = torch.stack(self.later[first - num_prompt:end - num_prompt])
-            else:
-                later = torch.arange(first, end, device=self.positions.device) + self.delta
-            parts.append(later.expand(3, -1))
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        return self.positions.rows(start, end)
 
     def deepstack_rows(self, start: int, end: int, row_offset: int) -> Deepstack | None:
         """The DeepStack features of rows [start, end), at `row_offset` on; None when none are there."""
@@ -111,13 +95,13 @@ def admit_vision(
     if not rows:
         return None
     try:
-        positions, delta = get_rope_index(torch.tensor([token_ids]), RopeLayout.of_thinker(cfg), **grids.rope_grids())
+        positions, _ = get_rope_index(torch.tensor([token_ids]), RopeLayout.of_thinker(cfg), **grids.rope_grids())
     except ValueError as exc:
         raise AdmissionError(f"payload.token_ids: {exc}") from exc
     return PromptVision(
         rows, embeds.to(device, dtype),
         Deepstack(torch.tensor(rows, device=device), deepstack.to(device, dtype)),
-        positions[:, 0].to(device), delta[0, 0].to(device), grids,
+        PromptPositions(positions[:, 0].to(device)), grids,
     )
 
 
@@ -149,7 +133,7 @@ def _check_grids(where: str, grids: torch.Tensor | None, merge: int, num_tokens:
 def step_positions(flat: torch.Tensor, spans: Sequence[StepSpan]) -> torch.Tensor:
     """[3, T] positions of a step holding a vision prompt, from its flat positions [T] (padding rows: 0):
     float32 on every row when any vision prompt's are (whole positions stay exact in float32)."""
-    is_float = any(s.vision is not None and s.vision.positions.is_floating_point() for s in spans)
+    is_float = any(s.vision is not None and s.vision.positions.is_fractional for s in spans)
     positions = flat.expand(3, -1).contiguous().to(torch.float32 if is_float else flat.dtype)
     for s in spans:
         if s.vision is not None:
