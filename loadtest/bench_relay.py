@@ -7,15 +7,23 @@ trip with one message in flight (median/p90); throughput (GB/s) keeps a window o
 flight (as many as the relay's slab holds). Below 16 KiB the relay sends the tensor inline. memcpy is an
 in-process `np.copyto` of the same size plus the same sample read (throughput = size / mean time).
 
-Usage: python loadtest/bench_relay.py [--quick] [--rounds N]
+A second table compares the cross-host transports with shared memory, every tensor through the transport
+(inline threshold 0, so 4 KiB is relayed too): `shm` (the slab), `mooncake` (a `RelayRouter` whose consumer
+is "remote": the consumer's `MooncakeReader` pulls the slot out of the producer's slab over Mooncake
+Transfer Engine TCP, loopback here) and `gloo` (`DistSender` / `DistReceiver`, torch.distributed on
+loopback). Same round trip, same window; the reply still acks over ZMQ ipc.
+
+Usage: python loadtest/bench_relay.py [--quick] [--rounds N] [--no-cross-host]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
+import socket
 import statistics
 import time
 import uuid
@@ -28,12 +36,24 @@ import msgpack  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from voice_server.relay import ShmReader, ShmSlab, pack, unpack  # noqa: E402
+from voice_server.relay import (  # noqa: E402
+    ConsumerTransport,
+    MooncakeExporter,
+    ProducerTransport,
+    RelayRouter,
+    ShmReader,
+    ShmSlab,
+    pack,
+    unpack,
+)
 
 SIZES = (4 * 1024, 1024 * 1024, 64 * 1024 * 1024)
 ITERS = {4 * 1024: 2000, 1024 * 1024: 300, 64 * 1024 * 1024: 30}
 QUICK_ITERS = {4 * 1024: 300, 1024 * 1024: 50, 64 * 1024 * 1024: 8}
 VARIANTS = ("relay", "msgpack", "pickle")
+# NOTE: every tensor through the transport (inline threshold 0); mooncake only where it is installed.
+CROSS_HOST_VARIANTS = ("shm", "mooncake", "gloo")
+_RELAYED = ("relay", *CROSS_HOST_VARIANTS)
 
 
 def _touch(x: np.ndarray) -> float:
@@ -41,8 +61,8 @@ def _touch(x: np.ndarray) -> float:
     return float(flat[:: max(1, flat.size // 256)].sum())
 
 
-def _decode(variant: str, buf: bytes | memoryview, reader: ShmReader) -> tuple[float, list[int]]:
-    if variant == "relay":
+def _decode(variant: str, buf: bytes | memoryview, reader: ConsumerTransport) -> tuple[float, list[int]]:
+    if variant in _RELAYED:
         obj, refs = unpack(buf, reader)
         assert isinstance(obj, dict)
         return _touch(obj["x"]), [r.slot_id for r in refs]
@@ -53,15 +73,30 @@ def _decode(variant: str, buf: bytes | memoryview, reader: ShmReader) -> tuple[f
     return _touch(pickle.loads(buf)), []
 
 
-def _consumer(variant: str, in_addr: str, out_addr: str) -> None:
+def _reader(variant: str, gloo_port: int) -> ConsumerTransport:
+    if variant == "mooncake":
+        from voice_server.relay import MooncakeReader
+
+        return MooncakeReader("127.0.0.1")
+    if variant == "gloo":
+        import torch.distributed as dist
+
+        from voice_server.relay import DistReceiver
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=1, world_size=2)
+        return DistReceiver()
+    return ShmReader()
+
+
+def _consumer(variant: str, in_addr: str, out_addr: str, gloo_port: int = 0) -> None:
     ctx = zmq.Context()
     pull, push = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     pull.connect(in_addr)
     push.connect(out_addr)
-    reader = ShmReader()
+    reader = _reader(variant, gloo_port)
     # NOTE: each variant gets its best receive mode: relay messages are small (a copy is cheaper than a
     # zmq.Frame), the baselines are large (zero-copy frame).
-    is_copy = variant == "relay"
+    is_copy = variant in _RELAYED
     while True:
         msg = pull.recv(copy=is_copy)
         buf = msg if isinstance(msg, bytes) else msg.buffer
@@ -70,12 +105,18 @@ def _consumer(variant: str, in_addr: str, out_addr: str) -> None:
         sample, slot_ids = _decode(variant, buf, reader)
         push.send(msgpack.packb([slot_ids, sample]))
     reader.close()
+    if variant == "gloo":
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     ctx.destroy(linger=0)
 
 
-def _encode(variant: str, x: np.ndarray, slab: ShmSlab) -> bytes:
+def _encode(variant: str, x: np.ndarray, transport: ProducerTransport) -> bytes:
     if variant == "relay":
-        return pack({"x": x}, slab, "bench")
+        return pack({"x": x}, transport, "bench")
+    if variant in CROSS_HOST_VARIANTS:
+        return pack({"x": x}, transport, "bench", inline_threshold=0)
     if variant == "msgpack":
         return msgpack.packb({"dtype": str(x.dtype), "shape": list(x.shape), "data": x.data})
     return pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
@@ -104,23 +145,42 @@ def _row(variant: str, nbytes: int, times: list[float], gbps: float) -> dict[str
     }
 
 
-def _bench_variant(variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int) -> tuple[list[float], float]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _bench_variant(
+    variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int, router: RelayRouter | None = None
+) -> tuple[list[float], float]:
+    """`router` (mooncake): a RelayRouter over `slab` for which the consumer "bench" is remote."""
     tag = uuid.uuid4().hex[:10]
     in_addr, out_addr = f"ipc://@vsbench-{tag}-in", f"ipc://@vsbench-{tag}-out"
     ctx = zmq.Context()
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     push.bind(in_addr)
     pull.bind(out_addr)
-    proc = mp.get_context("spawn").Process(target=_consumer, args=(variant, in_addr, out_addr), daemon=True)
+    gloo_port = _free_port() if variant == "gloo" else 0
+    proc = mp.get_context("spawn").Process(target=_consumer, args=(variant, in_addr, out_addr, gloo_port),
+                                           daemon=True)
     proc.start()
+    transport: ProducerTransport = router if variant == "mooncake" and router is not None else slab
+    if variant == "gloo":
+        import torch.distributed as dist
+
+        from voice_server.relay import DistSender
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}", rank=0, world_size=2)
+        transport = DistSender({"bench": 1})
     expected = _touch(x)
 
     def send() -> None:
-        push.send(_encode(variant, x, slab), copy=False)
+        push.send(_encode(variant, x, transport), copy=False)
 
     def receive() -> None:
         slot_ids, sample = msgpack.unpackb(pull.recv())
-        slab.ack(slot_ids)
+        transport.ack(slot_ids)
         assert sample == expected, (variant, sample, expected)
 
     def round_trip() -> None:
@@ -140,11 +200,14 @@ def _bench_variant(variant: str, x: np.ndarray, slab: ShmSlab, num_iters: int) -
                 send()
         gbps = num_iters * x.nbytes / (time.perf_counter() - t0) / 1e9
         assert slab.num_live_slots == 0 and slab.num_overflow_puts == 0
+        assert getattr(transport, "num_live_slots", 0) == 0
     finally:
         push.send(b"")
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
+        if variant == "gloo" and dist.is_initialized():
+            dist.destroy_process_group()
         ctx.destroy(linger=0)
     return times, gbps
 
@@ -176,6 +239,27 @@ def run(quick: bool = False, sizes: tuple[int, ...] = SIZES, num_rounds: int = 3
     return [_row(v, n, t, statistics.median(gbps[(n, v)])) for (n, v), t in times.items()]
 
 
+def run_cross_host(quick: bool = False, sizes: tuple[int, ...] = SIZES, num_rounds: int = 3) -> list[dict[str, Any]]:
+    """shm vs mooncake vs gloo, interleaved rounds as in `run`; mooncake is left out when not installed."""
+    iters = QUICK_ITERS if quick else ITERS
+    variants = [v for v in CROSS_HOST_VARIANTS if v != "mooncake" or importlib.util.find_spec("mooncake")]
+    times: dict[tuple[int, str], list[float]] = {}
+    gbps: dict[tuple[int, str], list[float]] = {}
+    with ShmSlab(uuid.uuid4().hex[:10], "bench", 2 * max(sizes)) as slab:
+        router = RelayRouter(slab, {"bench"}, lambda: MooncakeExporter("127.0.0.1"))
+        try:
+            for _ in range(num_rounds):
+                for nbytes in sizes:
+                    x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+                    for variant in variants:
+                        t, g = _bench_variant(variant, x, slab, iters.get(nbytes, 20), router)
+                        times.setdefault((nbytes, variant), []).extend(t)
+                        gbps.setdefault((nbytes, variant), []).append(g)
+        finally:
+            router.close()
+    return [_row(v, n, t, statistics.median(gbps[(n, v)])) for (n, v), t in times.items()]
+
+
 def _fmt_size(nbytes: int) -> str:
     return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
 
@@ -200,13 +284,40 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_cross_host_table(rows: list[dict[str, Any]]) -> str:
+    by_key = {(r["size_bytes"], r["variant"]): r for r in rows}
+    variants = [v for v in CROSS_HOST_VARIANTS if any(r["variant"] == v for r in rows)]
+    others = [v for v in variants if v != "shm"]
+    head = f"{'size':>7} | " + " | ".join(f"{v + ' med/p90 ms (GB/s)':>32}" for v in variants)
+    head += " | " + ", ".join(others) + " slowdown vs shm (latency / throughput)"
+    lines = [head, "-" * len(head)]
+    for nbytes in sorted({r["size_bytes"] for r in rows}):
+        cells = []
+        for v in variants:
+            r = by_key[(nbytes, v)]
+            cells.append(f"{r['median_ms']:9.3f} /{r['p90_ms']:9.3f} ({r['gbps']:7.2f})")
+        shm = by_key[(nbytes, "shm")]
+        ratios = ", ".join(f"{by_key[(nbytes, v)]['median_ms'] / shm['median_ms']:6.1f}x / "
+                           f"{shm['gbps'] / by_key[(nbytes, v)]['gbps']:6.1f}x" for v in others)
+        lines.append(f"{_fmt_size(nbytes):>7} | " + " | ".join(f"{c:>32}" for c in cells) + " | " + ratios)
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant")
+    parser.add_argument("--no-cross-host", action="store_true", help="skip the shm / mooncake / gloo table")
     args = parser.parse_args()
+    from table import cpu_description
+
     rows = run(quick=args.quick, num_rounds=args.rounds)
+    cross_rows = [] if args.no_cross_host else run_cross_host(quick=args.quick, num_rounds=args.rounds)
     # NOTE: on a shared box, the load average explains most of the variance between runs.
     load = ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    print(cpu_description())
     print(f"{os.cpu_count()} CPUs, load average {load}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}")
     print(format_table(rows))
+    if cross_rows:
+        print("\nCross-host transports on loopback, every tensor relayed (inline threshold 0):")
+        print(format_cross_host_table(cross_rows))

@@ -110,3 +110,66 @@ def dist_worker(rank: int, port: int, ctrl: Connection, result: Connection) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def mooncake_cases(as_torch: bool) -> dict[str, Any]:
+    """Tensors for the cross-host relay tests: 0-d, empty, strided, 4 KiB, 1 MiB, and 3 MiB (more than the
+    producer's 2 MiB slab, so it goes to an overflow segment)."""
+    rng = np.random.default_rng(1)
+    base = rng.standard_normal((6, 5, 8, 7)).astype(np.float32)
+    cases: dict[str, Any] = {
+        "f32_0d": np.array(3.25, np.float32),
+        "f32_empty": np.zeros((0, 4), np.float32),
+        "f32_4d_noncontig": base.transpose(2, 0, 3, 1)[:, ::2],
+        "i64_4k": rng.integers(-(2**62), 2**62, 512, dtype=np.int64),
+        "u8_1m": rng.integers(0, 256, (1024, 1024), dtype=np.uint8),
+        "f16_3m": rng.standard_normal(3 << 19).astype(np.float16),
+        "bool": rng.random(777) > 0.5,
+    }
+    if as_torch:
+        import torch
+
+        torch.set_num_threads(1)
+        cases = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in cases.items()}
+        cases["bf16_2d"] = torch.from_numpy(base.reshape(30, 56)).to(torch.bfloat16)
+    return cases
+
+
+def mooncake_producer(conn: Connection, launch_id: str) -> None:
+    """A 2 MiB slab behind a RelayRouter whose consumer "far" is on another node (Mooncake on 127.0.0.1).
+
+    Commands (pickled tuples on `conn`): ("pack", (consumer, as_torch)) replies with the packed message of
+    `mooncake_cases`; ("ack", slot_ids) and ("stats", None) with the slab's and router's counters;
+    ("release", consumer) with the number of slots freed; ("close", None) closes everything and exits.
+    """
+    from voice_server.relay import MooncakeExporter, RelayRouter
+
+    slab = ShmSlab(launch_id, "prod", 2 << 20)
+    router = RelayRouter(slab, {"far"}, lambda: MooncakeExporter("127.0.0.1"))
+
+    def stats() -> dict[str, Any]:
+        exporter = router.exporter
+        return {
+            "num_live_slots": slab.num_live_slots, "num_used_bytes": slab.num_used_bytes,
+            "num_overflow_puts": slab.num_overflow_puts, "num_local_puts": router.num_local_puts,
+            "num_remote_puts": router.num_remote_puts, "num_remote_bytes": router.num_remote_bytes,
+            "num_exports": exporter.num_exports if exporter else 0,
+            "registered": exporter.registered_segments if exporter else [],
+        }
+
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "pack":
+            consumer, as_torch = arg
+            conn.send_bytes(pack(mooncake_cases(as_torch), router, consumer, inline_threshold=0))
+        elif cmd == "ack":
+            router.ack(arg)
+            conn.send(stats())
+        elif cmd == "stats":
+            conn.send(stats())
+        elif cmd == "release":
+            conn.send(router.release_consumer(arg))
+        elif cmd == "close":
+            router.close()
+            conn.send(None)
+            break

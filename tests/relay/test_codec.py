@@ -76,6 +76,25 @@ def test_pack_inline_below_threshold_shm_above(launch_id: str) -> None:
         reader.close()
 
 
+def test_a_router_without_a_cross_host_engine_sends_remote_tensors_inline(launch_id: str) -> None:
+    """The fallback when Mooncake is not installed (`engine/transports.py`): a consumer on another node gets the
+    bytes inside the message; one on this node still gets a shared-memory reference."""
+    from voice_server.relay.router import RelayReaders, RelayRouter
+
+    with ShmSlab(launch_id, "p", 1 << 20) as slab:
+        router, readers = RelayRouter(slab, {"far"}), RelayReaders(ShmReader())
+        big = np.arange(5000, dtype=np.float32)
+        obj, refs = unpack(pack({"big": big}, router, "far"), readers)
+        assert refs == [] and slab.num_live_slots == 0
+        assert isinstance(obj, dict) and np.array_equal(obj["big"], big)
+        obj, refs = unpack(pack({"big": big}, router, "near"), readers)
+        assert len(refs) == 1 and slab.num_live_slots == 1
+        assert isinstance(obj, dict) and np.array_equal(obj["big"], big)
+        del obj
+        router.ack([r.slot_id for r in refs])
+        readers.close()
+
+
 def test_failed_pack_frees_its_slots(launch_id: str) -> None:
     with ShmSlab(launch_id, "p", 1 << 20) as slab:
         with pytest.raises(TypeError, match="object"):

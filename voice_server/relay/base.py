@@ -38,6 +38,11 @@ class ProducerTransport(ABC):
     def release_consumer(self, consumer: str) -> int:
         """Free every slot still held for a consumer that died; returns how many were freed."""
 
+    def is_inline(self, consumer: str) -> bool:
+        """Whether tensors for `consumer` must travel inside the control message: no transport of this one reaches
+        it (a consumer on another node without a cross-host engine)."""
+        return False
+
     def discard(self, slot_ids: Iterable[int]) -> None:
         """These references were never delivered (the message failed to encode or send): free them."""
         self.ack(slot_ids)

@@ -2,8 +2,8 @@
 
 Never pickle: tensors become msgpack ext types. Small ones (or all of them when no slab is given) travel
 inline as `[u16 header length][msgpack [dtype, shape]][raw bytes]`; the rest are handed to the sender's
-transport (an `ShmSlab`, or any ProducerTransport such as `DistSender`) and travel as its reference
-(`ShmRef` / `DistRef`), whose `slot_id` the receiver must ack.
+transport (an `ShmSlab`, a `RelayRouter`, or any ProducerTransport such as `DistSender`) and travel as its
+reference (`ShmRef` / `DistRef` / `RemoteRef`), whose `slot_id` the receiver must ack to its owner.
 
 NOTE: msgpack has one array type, so tuples come back as lists. numpy scalars are sent as Python
 scalars.
@@ -20,6 +20,7 @@ import numpy as np
 
 from voice_server.relay.base import ConsumerTransport, ProducerTransport
 from voice_server.relay.dist import DistRef
+from voice_server.relay.mooncake import RemoteRef
 from voice_server.relay.shm import ShmRef
 from voice_server.relay.tensors import as_bytes_view, from_buffer, is_torch_tensor, to_numpy
 
@@ -29,8 +30,10 @@ if TYPE_CHECKING:
 EXT_INLINE_TENSOR = 1
 EXT_SHM_REF = 2
 EXT_DIST_REF = 3
-RelayRef = ShmRef | DistRef
-_EXT_BY_REF: dict[type, int] = {ShmRef: EXT_SHM_REF, DistRef: EXT_DIST_REF}
+EXT_REMOTE_REF = 4
+RelayRef = ShmRef | DistRef | RemoteRef
+_EXT_BY_REF: dict[type, int] = {ShmRef: EXT_SHM_REF, DistRef: EXT_DIST_REF, RemoteRef: EXT_REMOTE_REF}
+_REF_BY_EXT: dict[int, type[ShmRef] | type[DistRef] | type[RemoteRef]] = {v: k for k, v in _EXT_BY_REF.items()}
 DEFAULT_INLINE_THRESHOLD = 16384
 _HEADER_LEN = struct.Struct("<H")
 _local = threading.local()
@@ -72,11 +75,14 @@ def pack(
 
     def default(x: Any) -> Any:
         if isinstance(x, np.ndarray) or is_torch_tensor(x):
-            if slab is None or to_numpy(x)[1].nbytes < inline_threshold:
+            if slab is None or to_numpy(x)[1].nbytes < inline_threshold or slab.is_inline(consumer):
                 return encode_inline(x)
             ref = slab.put(x, consumer)
             slot_ids.append(ref.slot_id)
-            return msgpack.ExtType(_EXT_BY_REF[type(ref)], _packb_nested(ref.to_wire()))
+            code = _EXT_BY_REF.get(type(ref))
+            if code is None:
+                raise TypeError(f"{type(slab).__name__}.put returned {type(ref).__name__}, not a relay reference")
+            return msgpack.ExtType(code, _packb_nested(ref.to_wire()))
         if isinstance(x, np.generic):
             return x.item()
         raise TypeError(f"cannot encode {type(x).__name__} in a relay message")
@@ -109,8 +115,9 @@ def unpack(
 ) -> tuple[object, list[RelayRef]]:
     """Decode a `pack` message; returns (object, refs whose slot_ids to ack once the tensors are unused).
 
-    `reader` is an `ShmReader` (or the ConsumerTransport matching the sender's). Shared-memory tensors
-    are zero-copy views into the producer's slab: they must not be used after the ack. Raises
+    `reader` is an `ShmReader` (or the ConsumerTransport matching the sender's; `RelayReaders` for both
+    ShmRef and RemoteRef). Shared-memory tensors are zero-copy views into the producer's slab: they must
+    not be used after the ack; remote ones are copies the caller owns. Raises
     RelayReadError when a reference cannot be read, after decoding the rest.
     """
     refs: list[RelayRef] = []
@@ -119,9 +126,9 @@ def unpack(
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == EXT_INLINE_TENSOR:
             return decode_inline(payload, as_torch)
-        if code in (EXT_SHM_REF, EXT_DIST_REF):
-            wire = msgpack.unpackb(payload)
-            ref = ShmRef.from_wire(wire) if code == EXT_SHM_REF else DistRef.from_wire(wire)
+        ref_type = _REF_BY_EXT.get(code)
+        if ref_type is not None:
+            ref = ref_type.from_wire(msgpack.unpackb(payload))
             if reader is None:
                 raise ValueError(f"message carries a relayed tensor ({type(ref).__name__}) but no reader")
             refs.append(ref)

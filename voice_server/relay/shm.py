@@ -3,6 +3,7 @@
 `ShmSlab` is the producer side (a first-fit free list over one prefaulted segment, overflow segments
 when it is full), `ShmReader` the consumer side and `ShmRef` what crosses between them. The segment
 files themselves (names, mapping, sweeping what a dead owner left) are `voice_server/relay/shm_segments.py`.
+A `SegmentObserver` is told of every segment the slab maps and unmaps (`voice_server/relay/segment_observer.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 
 from voice_server.relay.base import ConsumerTransport, ProducerTransport
 from voice_server.relay.free_list import FreeList
+from voice_server.relay.segment_observer import ObservedSegments, SegmentObserver
 from voice_server.relay.shm_segments import (
     SHM_DIR,
     check_segment_ids,
@@ -87,12 +89,14 @@ class ShmSlab(ProducerTransport):
 
     `max_bytes` bounds the live bytes (slab and overflow together) and `max_overflow_segments` the
     live overflow segments, each of which holds a file descriptor while mapped; beyond either bound
-    `put` raises RelayFullError instead of exhausting /dev/shm or the descriptor table.
+    `put` raises RelayFullError instead of exhausting /dev/shm or the descriptor table. `observer` (or
+    a later `set_observer`) is told of every segment mapped and unmapped.
     """
 
     def __init__(
         self, launch_id: str, owner: str, capacity_bytes: int, shm_dir: str = SHM_DIR,
         max_bytes: int | None = None, max_overflow_segments: int | None = None,
+        observer: SegmentObserver | None = None,
     ) -> None:
         check_segment_ids(launch_id, owner)
         if capacity_bytes <= 0:
@@ -113,6 +117,7 @@ class ShmSlab(ProducerTransport):
         self._free = FreeList(self.capacity_bytes)
         self._num_used_bytes = 0
         self.num_overflow_puts = 0
+        self._segments = ObservedSegments(observer)
         self.segment, self._mm = self._create_segment(self.capacity_bytes)
         # NOTE: touch every page once so the first puts do not pay page faults.
         np.frombuffer(self._mm, dtype=np.uint8)[::_PAGE] = 0
@@ -131,12 +136,23 @@ class ShmSlab(ProducerTransport):
         path = os.path.join(self.shm_dir, name)
         self._live_paths.add(path)
         try:
-            return name, map_segment(path, size)[0]
+            mm = map_segment(path, size)[0]
         except BaseException:
             self._live_paths.discard(path)
             raise
+        try:
+            self._segments.add(name, mm)
+        except BaseException:
+            self._drop_segment(name, mm)
+            raise
+        return name, mm
+
+    def set_observer(self, observer: SegmentObserver | None) -> None:
+        """Attach `observer`, told at once of the segments mapped now, or detach with None."""
+        self._segments.set_observer(observer)
 
     def _drop_segment(self, name: str, mm: mmap.mmap) -> None:
+        self._segments.remove(name)  # NOTE: before unmapping, so no remote read lands in freed memory.
         close_mapping(mm)
         path = os.path.join(self.shm_dir, name)
         with contextlib.suppress(FileNotFoundError):
