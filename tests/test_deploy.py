@@ -115,3 +115,22 @@ def test_gpu_bench_talker_step_runs_on_the_tiny_preset(graphs: str) -> None:
     assert out.returncode == 0, out.stderr
     assert f"CUDA graphs: {graphs}" in out.stdout
     assert "batch   1: Talker+MTP step" in out.stdout and "batch   2: Talker+MTP step" in out.stdout
+
+
+def test_the_two_host_config_budgets_each_host_and_checks_without_a_cluster() -> None:
+    """`configs/qwen3-omni-30b-a3b-2host.yaml` (`launcher: ray`): each host's cuda:0 is its own, and check-config
+    says when no cluster answers instead of failing (the placements are checked where one does:
+    tests/runners/test_omni_ray_split.py)."""
+    cfg = load_pipeline(REPO / "configs" / "qwen3-omni-30b-a3b-2host.yaml")
+    assert cfg.launcher == "ray" and cfg.control_transport == "tcp"
+    roles = {s.name: s.placement.node_labels["voice-server/role"] for s in cfg.stages if s.placement is not None}
+    assert roles == {"encoder": "thinker", "thinker": "thinker", "talker": "talker", "code2wav": "talker"}
+    for host in {b.host for b in plan_budget(cfg)}:
+        assert sum(b.fraction for b in plan_budget(cfg) if b.host == host) < 0.95, host
+    out = subprocess.run(
+        [sys.executable, "-m", "voice_server.cli", "check-config", "configs/qwen3-omni-30b-a3b-2host.yaml"],
+        cwd=REPO, env={**_env(), "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "total cuda:0 on the node of placement voice-server/role=thinker  cuda:0  0.93" in out.stdout
+    assert "note: no Ray cluster answers at auto" in out.stdout, out.stdout

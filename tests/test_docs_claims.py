@@ -349,7 +349,7 @@ def test_readme_lists_the_config_fields() -> None:
     fields = {f.name for f in dataclasses.fields(StageConfig)} | {f.name for f in dataclasses.fields(PipelineConfig)}
     missing = sorted(fields - named)
     assert not missing, f"README.md's stage/pipeline fields omit: {missing}"
-    values = {"cpu", "ipc", "tcp", "ar", "code2wav", "simple"}
+    values = {"cpu", "ipc", "tcp", "ar", "code2wav", "simple", "local", "ray"}
     unknown = sorted(named - values - fields)
     assert not unknown, f"README.md lists config fields that do not exist: {unknown}"
     # The claim "`tp_size` (only 1 is accepted ...)": a larger value is refused.

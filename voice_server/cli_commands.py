@@ -67,8 +67,36 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
     print(describe_topology(cfg))
     print()
     print(format_budget(budgets, plan_memory(cfg)))
+    if cfg.launcher == "ray":
+        return _check_cluster(cfg)
     if not is_device_check and any(s.device != "cpu" for s in cfg.stages):
         print("\nnote: --skip-device-check: this host was not checked for the cuda devices above")
+    return 0
+
+
+def _check_cluster(cfg: PipelineConfig) -> int:
+    """`launcher: ray`: the placements against the cluster when one answers at `ray_address` (exit 2 when a
+    placement fits no live node), a note when none does."""
+    from voice_server.config import ConfigError
+    from voice_server.config.errors import one_line
+
+    try:
+        from voice_server.engine.ray_launch import check_cluster
+    except ImportError as exc:
+        print(f"config error: pipeline '{cfg.name}': field 'launcher': ray needs the ray extra "
+              f"(pip install -e '.[ray]'): {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    try:
+        lines = check_cluster(cfg)
+    except ConfigError as exc:
+        print(f"config error: {one_line(str(exc), max_len=2000)}", file=sys.stderr)
+        return 2
+    except (RuntimeError, ConnectionError) as exc:
+        print(f"\nnote: no Ray cluster answers at {cfg.ray_address} ({one_line(str(exc), max_len=200)}): the "
+              "placements were not checked")
+        return 0
+    print(f"\nplacement on the Ray cluster at {cfg.ray_address} (the nodes each process fits):")
+    print("\n".join(lines))
     return 0
 
 

@@ -33,7 +33,7 @@ from voice_server.scheduling.contract import ARSpec, Code2WavSpec
 from voice_server.stages.numeric import Echo
 
 ECHO = "voice_server.stages.numeric:create_echo"
-STRUCTURAL_STAGE_FIELDS = {"next", "stream_to", "factory_args", "env"}  # NOTE: env: config/env.py
+STRUCTURAL_STAGE_FIELDS = {"next", "stream_to", "factory_args", "env", "placement"}  # NOTE: config/env.py, placement.py
 
 
 def solo(**pipeline: Any) -> dict[str, Any]:

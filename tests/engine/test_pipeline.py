@@ -125,6 +125,9 @@ def test_abort_reaches_every_stage_quickly_and_frees_relay_slots(numeric: Pipeli
     # The pipeline still serves after the abort.
     small = np.ones(10, np.float32)
     check_outputs(numeric.collect({"signal": small}), small)
+    # The aborted id is refused as a new request's: the stages drop what comes for it, so it would never end.
+    with pytest.raises(ValueError, match="'abort-latency' was aborted or failed: a new request needs a new id"):
+        coordinator.submit({"signal": small}, request_id=_ID)
 
 
 async def wait_aborted(coordinator: Any, request_id: str, timeout_s: float = 10.0) -> dict[str, Any]:

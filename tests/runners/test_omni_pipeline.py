@@ -16,86 +16,30 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from harness import Pipeline, shm_segments
-from omni_reference import hf_turn, save_reference
+from omni_reference import LIMITS, TinyOmni, omni_config
 
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.requests import RequestError
-from voice_server.models.qwen3_omni.audio.encoder import num_audio_tokens
-from voice_server.models.qwen3_omni.audio.mel import LogMelFrontEnd
-from voice_server.models.qwen3_omni.code2wav.streaming import lookahead_samples
-from voice_server.models.qwen3_omni.config import Qwen3OmniConfig
 from voice_server.models.qwen3_omni.presets import tiny_prompt_ids
 
 torch.set_num_threads(1)
-MAX_NEW_TOKENS = 6
-MAX_FRAMES = 7
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+def reference(tmp_path_factory: pytest.TempPathFactory) -> TinyOmni:
     ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni")
-    return save_reference(ckpt), ckpt
-
-
-def omni_config(ckpt: Path) -> dict[str, Any]:
-    common = {"checkpoint": str(ckpt), "num_threads": 1}
-    return {
-        "name": "omni-test",
-        "stages": [
-            {"name": "encoder", "factory": "voice_server.stages.audio_encoder:create_audio_encoder",
-             "next": "thinker", "max_batch_size": 4, "factory_args": common},
-            {"name": "thinker", "factory": "voice_server.stages.thinker:create_thinker", "scheduler": "ar",
-             "terminal": True, "stream_to": ["talker"], "max_batch_size": 8, "max_step_tokens": 64,
-             "factory_args": {**common, "sampling": {"max_tokens": MAX_NEW_TOKENS}}},
-            # NOTE: terminal here so the test sees the codes; a deployment streams only text and audio.
-            {"name": "talker", "factory": "voice_server.stages.talker:create_talker", "scheduler": "ar",
-             "terminal": True, "stream_to": ["code2wav"], "max_batch_size": 8, "max_step_tokens": 64,
-             "factory_args": {**common, "max_frames": MAX_FRAMES}},
-            {"name": "code2wav", "factory": "voice_server.stages.code2wav:create_code2wav", "scheduler": "code2wav",
-             "terminal": True, "max_batch_size": 8, "factory_args": common},
-        ],
-    }
+    return TinyOmni(ckpt)
 
 
 @pytest.fixture(scope="module")
-def omni(reference: tuple[torch.nn.Module, Path]) -> Iterator[Pipeline]:
-    pipeline = Pipeline(pipeline_from_dict(omni_config(reference[1])))
+def omni(reference: TinyOmni) -> Iterator[Pipeline]:
+    pipeline = Pipeline(pipeline_from_dict(omni_config(reference.ckpt)))
     yield pipeline
     pipeline.close()
     assert shm_segments(pipeline.coordinator.launch_id) == []
-
-
-def _pcm(num_samples: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(num_samples) / 16000
-    wave = 0.3 * np.sin(2 * np.pi * (180 + 20 * seed) * t) * (1 + np.sin(2 * np.pi * 3 * t))
-    return (wave + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
-
-
-# Reply tokens and frames per request: replies shorter than their audio (the talker pads after
-# tts_eos) and longer (the talker stops first, the thinker goes on), in both text and audio prompts.
-LIMITS = [(3, 7), (12, 5), (6, 12), (9, 9), (4, 4), (10, 14), (5, 6), (8, 11)]
-
-
-def requests() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(our payload, the reference's generate kwargs): text prompts and audio prompts of different lengths."""
-    out = []
-    for num_text in (2, 9, 4, 14, 6):
-        ids = tiny_prompt_ids(num_user_text=num_text)
-        out.append(({"token_ids": ids}, {"input_ids": torch.tensor([ids])}))
-    for seed, num_samples in ((1, 12_000), (2, 19_000), (3, 27_000)):
-        pcm = _pcm(num_samples, seed)
-        mel = LogMelFrontEnd(num_mel_bins=16)([pcm])
-        full = tiny_prompt_ids(num_user_text=3, num_audio_tokens=num_audio_tokens(int(mel.feature_lens[0])))
-        ours = {"token_ids": tiny_prompt_ids(num_user_text=3, num_audio_tokens=1), "audio": [pcm]}
-        out.append((ours, {"input_ids": torch.tensor([full]), "input_features": mel.features,
-                           "feature_attention_mask": mel.attention_mask,
-                           "attention_mask": torch.ones(1, len(full), dtype=torch.long)}))
-    return out
 
 
 def submit_all(
@@ -111,39 +55,17 @@ def submit_all(
     return omni.run(go(), timeout=300)
 
 
-def by_stage(outputs: list[Any], stage: str) -> list[dict[str, Any]]:
-    return [o.payload for o in outputs if o.stage == stage]
-
-
-def test_eight_staggered_requests_stream_what_the_reference_generates(
-    omni: Pipeline, reference: tuple[torch.nn.Module, Path]
-) -> None:
-    ref, ckpt = reference
-    cases = requests()
+def test_eight_staggered_requests_stream_what_the_reference_generates(omni: Pipeline, reference: TinyOmni) -> None:
     params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for n, f in LIMITS]
-    outputs = submit_all(omni, [payload for payload, _ in cases], params, stagger_s=0.1)
-    lookahead = lookahead_samples(Qwen3OmniConfig.from_json_file(ckpt).code2wav)
-    for (_, kwargs), (max_new_tokens, max_frames), got in zip(cases, LIMITS, outputs, strict=True):
+    outputs = submit_all(omni, [payload for payload, _ in reference.cases], params, stagger_s=0.1)
+    for case, ((max_new_tokens, max_frames), got) in enumerate(zip(LIMITS, outputs, strict=True)):
         assert not isinstance(got, BaseException), got
-        text_ids, codes, wav = (t[0] for t in hf_turn(ref, max_new_tokens, max_frames, **kwargs))
-        wav = wav.reshape(-1)
-        thinker = by_stage(got, "thinker")
-        assert all(not any(k.startswith("_") for k in p) for p in thinker), "the talker feed is not the client's"
-        assert kwargs["input_ids"][0].tolist() + thinker[-1]["token_ids"] == text_ids.tolist()
-        frames = [torch.tensor(np.array(p["codes"])) for p in by_stage(got, "talker") if "codes" in p]
-        assert frames and torch.equal(torch.cat(frames, dim=1), codes)
-        pcm = torch.cat([torch.tensor(np.array(p["pcm"])).reshape(-1) for p in by_stage(got, "code2wav") if "pcm" in p])
-        assert pcm.shape[0] == wav.shape[0] + lookahead
-        err = (pcm[: wav.shape[0]] - wav).abs().max().item()
-        assert err <= 1e-4, err
-        assert wav.abs().max() > 1e-3
+        summary = reference.check(case, max_new_tokens, max_frames, got)
         # The first-audio accounting: each stage's first output, in pipeline order, on one clock.
         stamps = next(o.timings for o in got if o.stage == "code2wav")
         order = ["submit", "encoder", "thinker", "talker", "code2wav"]
         assert [stamps[k] for k in order] == sorted(stamps[k] for k in order), stamps
-        print(f"prompt {len(kwargs['input_ids'][0])} tokens: {len(thinker[-1]['token_ids'])} reply tokens, "
-              f"{codes.shape[-1]} frames, {pcm.shape[0]} samples, max err {err:.1e}, first audio "
-              f"{1000 * (stamps['code2wav'] - stamps['submit']):.0f} ms")
+        print(f"{summary}, first audio {1000 * (stamps['code2wav'] - stamps['submit']):.0f} ms")
 
 
 def counters(omni: Pipeline, stage: str) -> dict[str, int]:
@@ -180,7 +102,7 @@ def test_abort_mid_stream_frees_both_ar_stages_and_ends_the_vocoder_stream(omni:
     assert counters(omni, "code2wav").get("num_streams", 0) == 0
 
 
-def test_a_request_refused_by_one_stage_fails_alone(omni: Pipeline, reference: tuple[torch.nn.Module, Path]) -> None:
+def test_a_request_refused_by_one_stage_fails_alone(omni: Pipeline) -> None:
     good = {"token_ids": tiny_prompt_ids(num_user_text=4)}
 
     async def go() -> list[Any]:
@@ -199,26 +121,19 @@ def test_a_request_refused_by_one_stage_fails_alone(omni: Pipeline, reference: t
     wait_idle(omni)
 
 
-def test_all_stages_in_one_process_stream_the_same(reference: tuple[torch.nn.Module, Path]) -> None:
+def test_all_stages_in_one_process_stream_the_same(reference: TinyOmni) -> None:
     # NOTE: one `process` group runs the four schedulers round-robin in one shell; results must not change.
-    ref, ckpt = reference
-    cfg = omni_config(ckpt)
+    cfg = omni_config(reference.ckpt)
     for stage in cfg["stages"]:
         stage["process"] = "omni"
     pipeline = Pipeline(pipeline_from_dict(cfg))
     try:
-        cases = [requests()[i] for i in (1, 6)]  # one text prompt, one audio prompt
-        limits = [LIMITS[i] for i in (1, 6)]
-        params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for n, f in limits]
-        outputs = submit_all(pipeline, [payload for payload, _ in cases], params, stagger_s=0.05)
-        for (_, kwargs), (max_new_tokens, max_frames), got in zip(cases, limits, outputs, strict=True):
+        cases = (1, 6)  # one text prompt, one audio prompt
+        params = [{"sampling": {"max_tokens": LIMITS[i][0]}, "talker": {"max_frames": LIMITS[i][1]}} for i in cases]
+        outputs = submit_all(pipeline, [reference.cases[i][0] for i in cases], params, stagger_s=0.05)
+        for case, got in zip(cases, outputs, strict=True):
             assert not isinstance(got, BaseException), got
-            _, codes, wav = (t[0] for t in hf_turn(ref, max_new_tokens, max_frames, **kwargs))
-            frames = [torch.tensor(np.array(p["codes"])) for p in by_stage(got, "talker") if "codes" in p]
-            assert torch.equal(torch.cat(frames, dim=1), codes)
-            pcm = torch.cat([torch.tensor(np.array(p["pcm"])).reshape(-1) for p in by_stage(got, "code2wav")
-                             if "pcm" in p])
-            assert (pcm[: wav.numel()] - wav.reshape(-1)).abs().max().item() <= 1e-4
+            reference.check(case, *LIMITS[case], got)
     finally:
         pipeline.close()
     assert shm_segments(pipeline.coordinator.launch_id) == []

@@ -1,16 +1,23 @@
 """`GET /metrics` after real native sessions (real uvicorn, real stage processes, speech-like audio):
 first-audio latency, the per-stage breakdown, realtime factor, responses by status, barge-ins,
-protocol errors and the active-session gauge."""
+protocol errors and the active-session gauge; and the per-replica series of a replicated stage
+(ready, restarts, requests in flight) as one replica dies and comes back."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
+from harness import Pipeline, shm_segments
 from live_server import LiveServer, events_until, metric, open_session, speech_pipeline, stream_audio
 from speech_signals import signal_of
+
+from voice_server.config import pipeline_from_dict
+from voice_server.engine.requests import RequestError, RequestStream
 
 RATE = 16000
 
@@ -96,3 +103,78 @@ def test_two_apps_have_their_own_registries(server: LiveServer) -> None:
         ws.close()
     finally:
         other.close()
+
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+REPLICA_SERIES = ("voice_server_replica_ready", "voice_server_replica_restarts_total", "voice_server_replica_inflight")
+
+
+def replica_series(samples: Samples) -> dict[str, dict[str, float]]:
+    """Series name -> process -> value, for the per-replica series of stage `tag`."""
+    out: dict[str, dict[str, float]] = {name: {} for name in REPLICA_SERIES}
+    for (name, labels), value in samples.items():
+        if name in out:
+            assert dict(labels)["stage"] == "tag", labels
+            out[name][dict(labels)["process"]] = value
+    return out
+
+
+def scrape_until(srv: LiveServer, pred: Callable[[Samples], bool], timeout: float = 30.0) -> Samples:
+    """Scrape until `pred` holds for the samples; returns them."""
+    deadline = time.monotonic() + timeout
+    while not pred(samples := srv.metrics()):
+        assert time.monotonic() < deadline, replica_series(samples)
+        time.sleep(0.02)
+    return samples
+
+
+def test_a_replicated_stage_reports_each_replica(server: LiveServer) -> None:
+    # NOTE: the unreplicated speech pipeline has no replica series at all.
+    assert not any(name.startswith("voice_server_replica_") for name, _ in server.metrics())
+    # Stage `tag` at `replicas: 2`, the entry: a request with streamed input stays in flight until its input ends.
+    pipeline = Pipeline(pipeline_from_dict({
+        "name": "replicated", "restart_backoff_s": 0.5,
+        "stages": [{"name": "tag", "factory": "fault_stages:create_pid_tagger", "terminal": True, "replicas": 2}],
+    }))
+    srv = LiveServer(pipeline)
+    coordinator = pipeline.coordinator
+
+    async def open_streams() -> list[RequestStream]:
+        return [coordinator.submit({}, stream_input=True) for _ in range(3)]
+
+    async def finish(stream: RequestStream) -> str:
+        try:
+            if stream.input is not None:
+                stream.input.end()
+            _ = [o async for o in stream]
+        except RequestError as exc:
+            return str(exc)
+        return ""
+
+    try:
+        series = replica_series(srv.metrics())
+        assert series == {"voice_server_replica_ready": {"tag@0": 1, "tag@1": 1},
+                          "voice_server_replica_restarts_total": {"tag@0": 0, "tag@1": 0},
+                          "voice_server_replica_inflight": {"tag@0": 0, "tag@1": 0}}
+        streams = pipeline.run(open_streams())  # NOTE: least loaded first, ties in index order: 0, 1, 0
+        assert replica_series(srv.metrics())["voice_server_replica_inflight"] == {"tag@0": 2, "tag@1": 1}
+        victim = coordinator.launcher.handles["tag@1"]
+        assert victim.pid is not None
+        os.kill(victim.pid, signal.SIGKILL)
+        # The dead replica is not ready and its request has failed; the pipeline stays ready on the other.
+        down = scrape_until(srv, lambda s: metric(s, "voice_server_replica_ready", stage="tag", process="tag@1") == 0)
+        assert replica_series(down)["voice_server_replica_ready"] == {"tag@0": 1, "tag@1": 0}
+        assert replica_series(down)["voice_server_replica_inflight"] == {"tag@0": 2, "tag@1": 0}
+        assert metric(down, "voice_server_pipeline_ready") == 1 and metric(down, "voice_server_inflight_requests") == 2
+        back = scrape_until(srv, lambda s: metric(s, "voice_server_replica_ready", stage="tag", process="tag@1") == 1)
+        assert replica_series(back) == {"voice_server_replica_ready": {"tag@0": 1, "tag@1": 1},
+                                        "voice_server_replica_restarts_total": {"tag@0": 0, "tag@1": 1},
+                                        "voice_server_replica_inflight": {"tag@0": 2, "tag@1": 0}}
+        assert metric(back, "voice_server_stage_restarts_total", stage="tag") == 1
+        errors = [pipeline.run(finish(stream)) for stream in streams]
+        assert errors[0] == errors[2] == "" and "stage process 'tag@1' (tag) died" in errors[1], errors
+        assert replica_series(srv.metrics())["voice_server_replica_inflight"] == {"tag@0": 0, "tag@1": 0}
+    finally:
+        srv.close()
+        pipeline.close()
+    assert shm_segments(coordinator.launch_id) == []

@@ -28,6 +28,20 @@ class BudgetError(ConfigError):
     """Some device's memory fractions add up to more than 1.0."""
 
 
+def _node_of(cfg: PipelineConfig, process: str, nodes: Mapping[str, str] | None) -> str:
+    """The host a process's device belongs to, for the sums: "" is the one host of a local launch."""
+    if cfg.launcher != "ray":
+        return ""
+    if nodes is not None:
+        return f"node {nodes[process]}"
+    placement = cfg.process_placement(process)
+    if placement.is_empty:
+        return "any node"
+    labels = [f"{k}={v}" for k, v in placement.node_labels.items()]
+    resources = [f"{k}:{v:g}" for k, v in placement.resources.items()]
+    return "the node of placement " + ",".join(labels + resources)
+
+
 @dataclass(frozen=True)
 class StageBudget:
     stage: str
@@ -37,6 +51,8 @@ class StageBudget:
     """Resolved for `cpu` at launch; for GPUs the stage process resolves it with torch."""
     replicas: int = 1
     """Processes of the stage, each holding `fraction` (`StageConfig.replicas`)."""
+    host: str = ""
+    """Whose device it is with `launcher: ray` (a node, or before placement the node of a placement); "" on one host."""
 
 
 CGROUP_ROOT = "/sys/fs/cgroup"
@@ -69,21 +85,31 @@ def cgroup_memory_limit(cgroup_root: str = CGROUP_ROOT) -> int | None:
     return None
 
 
-def plan_budget(cfg: PipelineConfig) -> list[StageBudget]:
-    """Per-stage budgets; raises BudgetError naming every stage on an over-committed device."""
-    totals: dict[str, float] = {}
+def plan_budget(cfg: PipelineConfig, nodes: Mapping[str, str] | None = None) -> list[StageBudget]:
+    """Per-stage budgets; raises BudgetError naming every stage on an over-committed device.
+
+    Fractions add up per device of one host. With `launcher: ray` a host is a node: `nodes` (process -> node, once
+    the processes are placed) says which; before that, processes with the same `placement` are taken to share a
+    node and processes with different ones not to (the placed launch checks again with the real nodes)."""
+    totals: dict[tuple[str, str], float] = {}
+    holders: dict[tuple[str, str], list[str]] = {}
     for stage in cfg.stages:
-        # NOTE: each replica is a process with its own model: it holds the stage's fraction once more.
-        totals[stage.device_key] = totals.get(stage.device_key, 0.0) + stage.memory_fraction * stage.replicas
-    over = {device: total for device, total in totals.items() if total > 1.0 + _EPS}
+        for process in stage.process_names:
+            # NOTE: each replica is a process with its own model: it holds the stage's fraction once more.
+            key = (_node_of(cfg, process, nodes), stage.device_key)
+            totals[key] = totals.get(key, 0.0) + stage.memory_fraction
+            holders.setdefault(key, []).append(stage.name)
+    over = {key: total for key, total in totals.items() if total > 1.0 + _EPS}
     if over:
         lines = []
-        for device, total in sorted(over.items()):
+        for (node, device), total in sorted(over.items()):
+            counts = {name: holders[(node, device)].count(name) for name in dict.fromkeys(holders[(node, device)])}
             parts = ", ".join(
-                f"{s.name}={s.memory_fraction:g}" + (f"x{s.replicas}" if s.replicas > 1 else "")
-                for s in cfg.stages if s.device_key == device
+                f"{name}={cfg.stage(name).memory_fraction:g}" + (f"x{num}" if num > 1 else "")
+                for name, num in counts.items()
             )
-            lines.append(f"device {device} is over budget: {total:.3f} > 1.0 ({parts})")
+            where = f"device {device}" + (f" on {node}" if node else "")
+            lines.append(f"{where} is over budget: {total:.3f} > 1.0 ({parts})")
         raise BudgetError("; ".join(lines))
     host = host_memory_bytes()
     return [
@@ -93,6 +119,7 @@ def plan_budget(cfg: PipelineConfig) -> list[StageBudget]:
             fraction=s.memory_fraction,
             num_bytes=int(host * s.memory_fraction) if s.device_key == "cpu" else None,
             replicas=s.replicas,
+            host=_node_of(cfg, s.process_names[0], nodes),
         )
         for s in cfg.stages
     ]
@@ -181,10 +208,9 @@ def format_budget(budgets: list[StageBudget], memory: MemoryPlan | None = None) 
                 row += ("?", "?", "?")
                 notes.append(f"{b.stage}: {planned}")
         rows.append(row)
-    devices = sorted({b.device for b in budgets})
-    for device in devices:
-        total = sum(b.fraction * b.replicas for b in budgets if b.device == device)
-        rows.append((f"total {device}", device, f"{total:g}", ""))
+    for host, device in sorted({(b.host, b.device) for b in budgets}):
+        total = sum(b.fraction * b.replicas for b in budgets if (b.host, b.device) == (host, device))
+        rows.append((f"total {device}" + (f" on {host}" if host else ""), device, f"{total:g}", ""))
     widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join(lines + [f"  ({note})" for note in notes])

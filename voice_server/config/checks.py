@@ -102,8 +102,8 @@ def cuda_device_count() -> int:
 
 def check_devices(cfg: PipelineConfig, count_devices: Callable[[], int] = cuda_device_count) -> None:
     gpu_stages = [s for s in cfg.stages if s.device_key != "cpu"]
-    if not gpu_stages:
-        return
+    if not gpu_stages or cfg.launcher == "ray":
+        return  # NOTE: placed on a cluster, the devices are the nodes' (a stage process fails on a missing one)
     count = count_devices()
     for stage in gpu_stages:
         index = int(stage.device_key.partition(":")[2])

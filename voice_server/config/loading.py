@@ -20,6 +20,7 @@ from yaml.nodes import CollectionNode, MappingNode, Node, ScalarNode, SequenceNo
 
 from voice_server.config.errors import ConfigError, fail, one_line, quoted
 from voice_server.config.pipeline import PipelineConfig, StageConfig
+from voice_server.config.placement import placement_from_dict
 from voice_server.config.topology import check_num_stages
 from voice_server.config.twilio import twilio_from_dict
 from voice_server.config.voices import voices_from_dict
@@ -200,6 +201,8 @@ def pipeline_from_dict(raw: Any) -> PipelineConfig:
         for optional in ("factory_args", "env"):
             if optional in kwargs and kwargs[optional] is None:
                 kwargs.pop(optional)  # NOTE: `env:` with nothing after it reads as null: no variables
+        if "placement" in kwargs:
+            kwargs["placement"] = placement_from_dict(stage_where, kwargs["placement"])
         stages.append(StageConfig(**kwargs))
     top["stages"] = tuple(stages)
     top["voices"] = voices_from_dict(where, top.get("voices"))

@@ -14,6 +14,7 @@ from typing import Any
 from voice_server.config.env import check_env, check_process_env, process_env
 from voice_server.config.errors import ConfigError, fail, quoted
 from voice_server.config.fields import Choice, Flag, Number, Rule, Text, check_fields
+from voice_server.config.placement import Placement, check_process_placement, process_placement
 from voice_server.config.topology import check_topology, reachable_from
 from voice_server.config.twilio import TwilioConfig
 from voice_server.config.voices import VOICE_NAME_RE, VoiceConfig, check_voices, find_voice
@@ -97,6 +98,9 @@ class StageConfig:
     """Processes that run this stage, each with its own model (`process@0` ... `process@N-1`); the coordinator
     sends each request to the least loaded one, and all of a request's input to that one. The stage must be alone
     in its process group."""
+    placement: Placement | None = None
+    """With `launcher: ray`: what the node of this stage's process must offer (`config/placement.py`); None: any
+    node of the cluster."""
 
     def __post_init__(self) -> None:
         where = f"stage {quoted(self.name)}"
@@ -110,6 +114,10 @@ class StageConfig:
         if not isinstance(self.factory_args, dict):
             raise fail(where, "factory_args", "must be a mapping")
         check_env(where, self.env)
+        if self.placement is not None:
+            if not isinstance(self.placement, Placement):
+                raise fail(where, "placement", "must be a Placement")
+            self.placement.check(where)
         if self.scheduler == "ar" and self.max_step_tokens < self.max_batch_size:
             # NOTE: decode takes one token per running request per step; a smaller budget would
             # leave some running requests without a token every step.
@@ -145,6 +153,8 @@ PIPELINE_RULES: dict[str, Rule] = {
     "inline_threshold_bytes": Number(int, minimum=0),
     "relay_slab_bytes": Number(int, minimum=1 << 16),
     "control_transport": Choice(("ipc", "tcp")),
+    "launcher": Choice(("local", "ray")),
+    "ray_address": Text(),
     "stream_input": Flag(),
     "turn_detection": Choice(("server_vad", "semantic_vad")),
     "tcp_host": Text(),
@@ -187,7 +197,14 @@ class PipelineConfig:
     control_transport: str = "ipc"
     """ZMQ transport of the control plane: `ipc` (one host) or `tcp`."""
     tcp_host: str = "127.0.0.1"
-    """Interface the control sockets use with `control_transport: tcp`."""
+    """Interface the control sockets use with `control_transport: tcp`; with `launcher: ray` the address the
+    other nodes reach this host at (`0.0.0.0` or `::`: this node's address in the cluster)."""
+    launcher: str = "local"
+    """Who starts the stage processes: `local` (this host, the default) or `ray` (a Ray actor per process, placed by
+    each stage's `placement` in one placement group; needs `pip install ray` and `control_transport: tcp`)."""
+    ray_address: str = "auto"
+    """With `launcher: ray`: the cluster to join (`ray.init(address=...)`): `auto` finds the one started on this
+    host (`ray start --head`), or `HOST:PORT` of its head node."""
     max_inflight_requests: int | None = None
     """Requests admitted at once; beyond it `submit` refuses with OverloadError. null: sized from
     the descriptor limit."""
@@ -227,6 +244,10 @@ class PipelineConfig:
             raise fail(where, "stages", "at least one stage is required")
         check_topology(where, self.stages, self.entry_stage)
         check_process_env(self.stages)
+        check_process_placement(self.stages, self.launcher)
+        if self.launcher == "ray" and self.control_transport != "tcp":
+            raise fail(where, "control_transport", "must be tcp with `launcher: ray`: stages on other nodes "
+                       "cannot reach this host's ipc sockets")
         check_voices(where, self.voices, self.default_voice)
         if self.twilio is not None and not isinstance(self.twilio, TwilioConfig):
             raise fail(where, "twilio", "must be a TwilioConfig")
@@ -286,3 +307,7 @@ class PipelineConfig:
     def process_env(self, process: str) -> dict[str, str]:
         """The environment variables process group `process` sets at start (its stages' `env`)."""
         return process_env(self.processes[process])
+
+    def process_placement(self, process: str) -> Placement:
+        """Where process `process` (a group or a replica) runs with `launcher: ray`; empty: any node."""
+        return process_placement(self.processes[process])

@@ -17,6 +17,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -26,9 +27,20 @@ import zmq.asyncio
 from voice_server.config import PipelineConfig, plan_budget
 from voice_server.engine import ipc
 from voice_server.engine.coordinator_intake import CoordinatorIntake
-from voice_server.engine.launcher import Launcher, ProcessHandle, ProcessState
+from voice_server.engine.launcher import Launcher, ProcessHandle, ProcessState, create_backend
 from voice_server.engine.limits import EngineLimits
-from voice_server.engine.messages import Abort, Codec, Message, NewRequest, PeerDown, Probe, StatsQuery, StatsReply
+from voice_server.engine.messages import (
+    NUM_ABORTED_KEPT,
+    Abort,
+    Codec,
+    Message,
+    NewRequest,
+    PeerDown,
+    PeerMoved,
+    Probe,
+    StatsQuery,
+    StatsReply,
+)
 from voice_server.engine.outbox import Outbox
 from voice_server.engine.replicas import ReplicaPlanner, process_for
 from voice_server.engine.request_table import RequestTable
@@ -44,6 +56,7 @@ from voice_server.engine.requests import (
 from voice_server.engine.rundir import RunDir, sweep_dead_launches
 from voice_server.engine.submission import InputSender, encode_for
 from voice_server.engine.supervisor import StartupError, Supervisor
+from voice_server.engine.transports import open_transports, relay_counters
 from voice_server.relay.shm import ShmReader, ShmSlab
 from voice_server.relay.shm_segments import sweep
 
@@ -62,6 +75,8 @@ class Coordinator:
         self.launch_id = launch_id or secrets.token_hex(4)
         self.owner = ipc.relay_owner(ipc.COORDINATOR, 0)
         self._nonces = itertools.count()
+        self._aborted_ids: OrderedDict[str, None] = OrderedDict()
+        """Ids of requests aborted everywhere, the most recent NUM_ABORTED_KEPT: the stages drop messages for them."""
         self._is_started = False
         self._is_stopping = False
         self.is_start_done = False
@@ -75,7 +90,7 @@ class Coordinator:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._replicas = ReplicaPlanner(self.cfg, self._is_process_ready)
-        self._requests = RequestTable(self._loop, self.cfg.terminal_stages, lambda ids: self._broadcast(Abort(ids)),
+        self._requests = RequestTable(self._loop, self.cfg.terminal_stages, self._abort_everywhere,
                                       self.cfg.max_queued_outputs, on_end=self._replicas.release)
         self._is_started = True
         try:
@@ -95,8 +110,16 @@ class Coordinator:
         self.limits = EngineLimits.resolve(self.cfg)
         self.run_dir = RunDir(self.launch_id)
         self._cleanups.append((self.run_dir.close, False))
-        self.endpoints = ipc.Endpoints.create(self.cfg, self.run_dir)
-        self.launcher = Launcher(self.cfg, self.launch_id, self.budgets, self.endpoints, self.limits)
+        backend = create_backend(self.cfg, self.launch_id)
+        self._cleanups.append((backend.close, True))  # NOTE: after terminate_all (cleanups run in reverse)
+        backend.start(self.cfg.startup_timeout_s)  # NOTE: with Ray: joins the cluster, places every process
+        self.endpoints = ipc.Endpoints.create(self.cfg, self.run_dir, backend.node_hosts())
+        if self.endpoints.nodes:
+            # NOTE: the config's check assumed one node per placement; now the nodes are known.
+            self.budgets = plan_budget(self.cfg, self.endpoints.nodes)
+        self._moved: set[str] = set()
+        self.launcher = Launcher(self.cfg, self.launch_id, self.budgets, self.endpoints, self.limits, backend,
+                                 self._on_moved)
         self._ctx = zmq.Context()
         self._cleanups.append((lambda: self._ctx.destroy(linger=0), False))
         auth = self.endpoints.start_auth(self._ctx)
@@ -117,9 +140,13 @@ class Coordinator:
         self._cleanups.append((self.slab.close, False))
         self.reader = ShmReader()
         self._cleanups.append((self.reader.close, False))
-        self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes)
+        self.relay_out, self.relay_in = open_transports(self.endpoints, ipc.COORDINATOR, self.slab, self.reader)
+        self._cleanups.append((self.relay_out.close, False))
+        self._cleanups.append((self.relay_in.close, False))
+        self.codec = Codec(self.relay_out, self.relay_in, self.cfg.inline_threshold_bytes)
         self.outbox = Outbox(self._peers, self.codec, self.slab, self.owner)
-        self.supervisor = Supervisor(self.cfg, self.launcher, self._on_down, lambda: self._broadcast(Probe(0)))
+        self.supervisor = Supervisor(self.cfg, self.launcher, self._on_down, lambda: self._broadcast(Probe(0)),
+                                     self._announce_moves)
         self._intake = CoordinatorIntake(
             self._inbox, self.codec, self.outbox, self._requests, self.supervisor, self.slab)
         self._inputs = InputSender(
@@ -197,6 +224,8 @@ class Coordinator:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
+        if request_id in self._aborted_ids:
+            raise ValueError(f"request id {request_id!r} was aborted or failed: a new request needs a new id")
         entry = self.cfg.entry_stage
         submitted = {"submit": time.monotonic()}
         plan = self._replicas.plan(request_id)
@@ -223,7 +252,7 @@ class Coordinator:
     @property
     def io_counters(self) -> dict[str, int]:
         """ZMQ messages received from the stages and sent to them, and the control messages (frames) in them."""
-        return {**self._intake.counters, **self.outbox.counters}
+        return {**self._intake.counters, **self.outbox.counters, **relay_counters(self.relay_out, self.relay_in)}
 
     def _check_available(self) -> None:
         if self._is_stopping or not self._is_started:
@@ -253,6 +282,13 @@ class Coordinator:
 
     # -- sockets ---------------------------------------------------------------------------------
 
+    def _abort_everywhere(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._aborted_ids[request_id] = None
+        while len(self._aborted_ids) > NUM_ABORTED_KEPT:
+            self._aborted_ids.popitem(last=False)
+        self._broadcast(Abort(request_ids))
+
     def _broadcast(self, msg: Message) -> None:
         self._pub.send(self.codec.encode(msg))
 
@@ -274,6 +310,20 @@ class Coordinator:
         self.reader.forget_owner(owner)
         self.slab.release_consumer(name)
         self._peers.reset(name)
+
+    # -- processes placed again on another node (`launcher: ray`) --------------------------------------
+
+    def _on_moved(self, process: str, address: str, node: str) -> None:
+        self._moved.add(process)
+        self._broadcast(PeerMoved(process, address, node))
+
+    def _announce_moves(self, process: str) -> None:
+        """`process` is ready: tell it (all, on the broadcast) every move since the launch began.
+
+        NOTE: a process spawned before another moved holds the old address in its spec, and a broadcast sent
+        while it started (before its probe) never reached it; once ready it hears every later broadcast."""
+        for moved in sorted(self._moved):
+            self._broadcast(PeerMoved(moved, self.endpoints.inboxes[moved], self.endpoints.nodes[moved]))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

@@ -23,6 +23,7 @@ from voice_server.engine.messages import (
     Output,
     Progress,
     Ready,
+    SlabRef,
     StartupFailed,
     StatsReply,
 )
@@ -30,7 +31,7 @@ from voice_server.engine.outbox import Outbox
 from voice_server.engine.request_table import RequestTable
 from voice_server.engine.requests import OverloadError, RequestError, TerminalOutput
 from voice_server.engine.supervisor import Supervisor
-from voice_server.relay.shm import ShmRef, ShmSlab
+from voice_server.relay.shm import ShmSlab
 
 log = logging.getLogger("voice_server.coordinator")
 
@@ -89,7 +90,7 @@ class CoordinatorIntake:
         self.num_dropped_messages += 1
         log.warning(message, exc_info=exc_info)
 
-    def _dispatch(self, msg: Message, refs: list[ShmRef]) -> None:
+    def _dispatch(self, msg: Message, refs: list[SlabRef]) -> None:
         if isinstance(msg, Output):
             # NOTE: the client may hold outputs indefinitely, so relay-backed arrays are copied and
             # their slots returned at once.

@@ -15,8 +15,8 @@ import logging
 import signal
 import socket
 import sys
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import zmq
 import zmq.auth.thread
@@ -27,6 +27,7 @@ from voice_server.engine.rundir import RunDir
 COORDINATOR = "coord"
 """Process name of the server process (for relay owners and ack routing)."""
 _ZAP_DOMAIN = "voice-server"
+_WILDCARDS = ("0.0.0.0", "::")
 _MAX_IPC_PATH_LEN = 107  # NOTE: sun_path is 108 bytes with its terminating NUL
 
 
@@ -54,10 +55,26 @@ class Endpoints:
     """The coordinator's PUB socket."""
     curve: CurveKeys | None = None
     """Keys of the launch (tcp only): never sent over the wire, only to children at spawn."""
+    nodes: dict[str, str] = field(default_factory=dict)
+    """Process name (and COORDINATOR) -> the cluster node it runs on, with `launcher: ray`; empty when every process
+    runs on this host. The relay sends tensors through shared memory between processes of one node only."""
 
     @classmethod
-    def create(cls, cfg: PipelineConfig, run_dir: RunDir) -> Endpoints:
+    def create(cls, cfg: PipelineConfig, run_dir: RunDir, hosts: NodeHosts | None = None) -> Endpoints:
         names = [COORDINATOR, *cfg.processes]
+        if hosts is not None:
+            # NOTE: a placed process binds its inbox on its own node, at a port that node says is free; the
+            # coordinator's sockets stay on `tcp_host`, which the other nodes must reach: a wildcard there means
+            # this node's address in the cluster (an address to connect to, not only to bind).
+            host = hosts.driver_node_ip() if cfg.tcp_host in _WILDCARDS else cfg.tcp_host
+            own = _free_ports(host, 2)
+            inboxes = {COORDINATOR: f"tcp://{_host_literal(host)}:{own[0]}"}
+            nodes = {COORDINATOR: hosts.driver_node_id()}
+            for name in cfg.processes:
+                inboxes[name] = hosts.inbox_address(name)
+                nodes[name] = hosts.node_id(name)
+            broadcast = f"tcp://{_host_literal(host)}:{own[1]}"
+            return cls(inboxes, broadcast, CurveKeys.create(), nodes)
         if cfg.control_transport == "ipc":
             paths = {n: run_dir.socket(f"in-{n}") for n in names}
             pub = run_dir.socket("pub")
@@ -71,6 +88,20 @@ class Endpoints:
         ports = _free_ports(cfg.tcp_host, len(names) + 1)
         addresses = [f"tcp://{_host_literal(cfg.tcp_host)}:{port}" for port in ports]
         return cls(dict(zip(names, addresses)), addresses[-1], CurveKeys.create())
+
+    def is_remote(self, process: str, peer: str) -> bool:
+        """Whether `peer` runs on another node than `process` (never, without a node map)."""
+        return bool(self.nodes) and self.nodes.get(process) != self.nodes.get(peer)
+
+    def host(self, process: str) -> str:
+        """The IP `process` binds on (the host part of its inbox address): where its cross-host relay listens."""
+        address = self.inboxes[process]
+        return address.rsplit(":", 1)[0].removeprefix("tcp://").strip("[]")
+
+    def move(self, process: str, address: str, node: str) -> None:
+        """`process` came back on another node (`PeerMoved`): later connections go to its new inbox."""
+        self.inboxes[process] = address
+        self.nodes[process] = node
 
     def bind(self, sock: zmq.Socket, address: str) -> None:
         if self.curve is not None:
@@ -96,6 +127,18 @@ class Endpoints:
         auth.start()
         auth.configure_curve_callback(_ZAP_DOMAIN, credentials_provider=_LaunchKey(self.curve.client_public))
         return auth
+
+
+class NodeHosts(Protocol):
+    """Where the processes of a placed launch run (`engine/ray_hosts.py`)."""
+
+    def driver_node_id(self) -> str: ...
+
+    def driver_node_ip(self) -> str: ...
+
+    def node_id(self, process: str) -> str: ...
+
+    def inbox_address(self, process: str) -> str: ...
 
 
 class _LaunchKey:

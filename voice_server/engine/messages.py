@@ -7,7 +7,7 @@ receiver acks back to the producer's inbox with `Ack`).
 Grouped by receiver:
 - stage inbox (PUSH/PULL): NewRequest, StreamChunk, StreamDone, Ack
 - coordinator inbox (PUSH/PULL): Output, Failure, Ready, StartupFailed, Progress, StatsReply, Ack
-- broadcast from the coordinator (PUB/SUB): Abort, Probe, PeerDown, StatsQuery
+- broadcast from the coordinator (PUB/SUB): Abort, Probe, PeerDown, PeerMoved, StatsQuery
 """
 
 from __future__ import annotations
@@ -18,8 +18,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from voice_server.relay.base import ConsumerTransport, ProducerTransport
 from voice_server.relay.codec import RelayReadError, pack, unpack
-from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab, is_exhaustion
+from voice_server.relay.mooncake import RemoteRef
+from voice_server.relay.shm import ShmRef, is_exhaustion
+
+SlabRef = ShmRef | RemoteRef
+"""A relay slot of another process's slab, mapped here or read across nodes: acked to its owner alike."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,11 @@ class Abort:
     request_ids: list[str]
 
 
+NUM_ABORTED_KEPT = 4096
+"""Aborted request ids a process remembers, dropping their late messages; the coordinator refuses them as new ids
+for as long (`Coordinator.submit`), since a stage could not tell a new request from a late one of the old."""
+
+
 @dataclass(frozen=True)
 class Probe:
     nonce: int
@@ -132,6 +142,16 @@ class PeerDown:
 
     process: str
     owner: str
+
+
+@dataclass(frozen=True)
+class PeerMoved:
+    """A process is about to start on another node (`launcher: ray`, its node was lost): later connections to it go to
+    its new inbox, and tensors for it go through the relay that reaches its node."""
+
+    process: str
+    address: str
+    node: str
 
 
 @dataclass(frozen=True)
@@ -151,12 +171,12 @@ class StatsQuery:
 
 Message = (
     NewRequest | StreamChunk | StreamDone | Ack | Output | Failure | Ready | StartupFailed
-    | StatsReply | Abort | Probe | PeerDown | StatsQuery | Progress
+    | StatsReply | Abort | Probe | PeerDown | StatsQuery | Progress | PeerMoved
 )
 
 _TYPES: tuple[type, ...] = (
     NewRequest, StreamChunk, StreamDone, Ack, Output, Failure, Ready, StartupFailed,
-    StatsReply, Abort, Probe, PeerDown, StatsQuery, Progress,
+    StatsReply, Abort, Probe, PeerDown, StatsQuery, Progress, PeerMoved,
 )
 _TAGS: dict[type, int] = {cls: tag for tag, cls in enumerate(_TYPES)}
 _FIELDS: dict[type, tuple[str, ...]] = {
@@ -202,7 +222,7 @@ _NUM_REQUIRED: dict[type, int] = {
 }
 
 
-def acks_for(refs: list[ShmRef]) -> list[Ack]:
+def acks_for(refs: list[SlabRef]) -> list[Ack]:
     """One Ack per producer slab for the relay slots a receiver is done with."""
     by_owner: dict[str, list[int]] = {}
     for ref in refs:
@@ -219,7 +239,7 @@ class MessageError(ValueError):
     """
 
     def __init__(
-        self, message: str, refs: list[ShmRef] | None = None, request_id: str | None = None,
+        self, message: str, refs: list[SlabRef] | None = None, request_id: str | None = None,
         stage: str | None = None, is_overload: bool = False,
     ) -> None:
         super().__init__(message)
@@ -231,8 +251,9 @@ class MessageError(ValueError):
 class Codec:
     """Encodes messages for one process: its slab for outgoing tensors, its reader for incoming."""
 
-    slab: ShmSlab | None
-    reader: ShmReader | None
+    slab: ProducerTransport | None
+    """The process's slab, or a `RelayRouter` over it when some consumers are on other nodes."""
+    reader: ConsumerTransport | None
     inline_threshold: int = 16384
     as_torch: bool = False
     MAX_TAG: ClassVar[int] = len(_TYPES) - 1
@@ -244,19 +265,19 @@ class Codec:
         slab = self.slab if consumer else None  # broadcasts never carry relay references
         return pack([_TAGS[cls], *values], slab, consumer, self.inline_threshold, taken)
 
-    def decode(self, data: bytes) -> tuple[Message, list[ShmRef]]:
+    def decode(self, data: bytes) -> tuple[Message, list[SlabRef]]:
         try:
             obj, any_refs = unpack(data, self.reader, as_torch=self.as_torch)
         except RelayReadError as exc:  # well-formed, but a relay tensor could not be mapped
-            refs = [r for r in exc.refs if isinstance(r, ShmRef)]
+            refs = [r for r in exc.refs if isinstance(r, (ShmRef, RemoteRef))]
             request_id, stage = _work_identity(exc.obj)
             raise MessageError(
                 f"cannot read relayed tensor: {exc.cause}", refs, request_id, stage, is_exhaustion(exc.cause)
             ) from exc
         except Exception as exc:  # malformed msgpack
             raise MessageError(f"undecodable control message: {exc}") from exc
-        # NOTE: the engine reads through ShmReader only, so every reference is an ShmRef.
-        refs = [r for r in any_refs if isinstance(r, ShmRef)]
+        # NOTE: the engine relays through slabs only (shared memory, or read from a slab across nodes).
+        refs = [r for r in any_refs if isinstance(r, (ShmRef, RemoteRef))]
         if not isinstance(obj, list) or not obj or type(obj[0]) is not int or not 0 <= obj[0] <= self.MAX_TAG:
             raise MessageError("control message without a valid tag", refs)
         cls = _TYPES[obj[0]]

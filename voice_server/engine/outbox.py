@@ -10,8 +10,8 @@ loop. Receivers take every frame in order, so the order per destination is the o
 from __future__ import annotations
 
 from voice_server.engine import ipc
-from voice_server.engine.messages import Codec, Message, acks_for
-from voice_server.relay.shm import ShmRef, ShmSlab
+from voice_server.engine.messages import Codec, Message, SlabRef, acks_for
+from voice_server.relay.shm import ShmSlab
 
 
 class Outbox:
@@ -51,7 +51,7 @@ class Outbox:
             self.counters["num_messages_out"] += 1
             self.counters["num_frames_out"] += len(frames)
 
-    def ack(self, refs: list[ShmRef]) -> None:
+    def ack(self, refs: list[SlabRef]) -> None:
         """This process is done with these relay slots: its own are freed at once, others' owners told."""
         for ack in acks_for(refs):
             if ack.owner == self.owner:

@@ -12,7 +12,7 @@ from typing import Any
 from voice_server.config import PipelineConfig, StageConfig
 from voice_server.config.checks import resolve_factory
 from voice_server.config.errors import fail, quoted, show
-from voice_server.relay.shm import ShmRef
+from voice_server.engine.messages import SlabRef
 from voice_server.scheduling import SCHEDULER_BUILDERS, AnyRunner, AnyScheduler, Runner
 
 
@@ -107,7 +107,7 @@ class StageRuntime:
     """Request id -> the client's params, forwarded to downstream stages."""
     num_chunks_sent: dict[str, dict[str, int]] = field(default_factory=dict)
     """Request id -> downstream stage -> chunks sent (a key exists once its stream is open)."""
-    held_refs: dict[str, list[ShmRef]] = field(default_factory=dict)
+    held_refs: dict[str, list[SlabRef]] = field(default_factory=dict)
     """Request id -> relay slots this stage reads; acked when the request leaves the stage."""
     num_chunks_received: dict[str, int] = field(default_factory=dict)
     """Request id -> upstream stream chunks received so far (a gap fails the request)."""
@@ -116,7 +116,7 @@ class StageRuntime:
     replicas: dict[str, dict[str, str]] = field(default_factory=dict)
     """Request id -> its replica plan (`NewRequest.replicas`), which routes its outputs; absent when empty."""
 
-    def forget(self, request_id: str) -> list[ShmRef]:
+    def forget(self, request_id: str) -> list[SlabRef]:
         """The request left the stage: drop its state, return the relay slots to ack."""
         self.params.pop(request_id, None)
         self.num_chunks_sent.pop(request_id, None)

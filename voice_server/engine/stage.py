@@ -25,6 +25,7 @@ from voice_server.engine.outbox import Outbox
 from voice_server.engine.routing import route
 from voice_server.engine.runtime import StageContext, StageRuntime, create_runner, create_scheduler
 from voice_server.engine.stage_intake import StageIntake
+from voice_server.engine.transports import open_transports
 from voice_server.logs import flush_rate_limits, rate_key
 from voice_server.relay.shm import RelayFullError, ShmReader, ShmSlab, is_exhaustion
 from voice_server.scheduling import Emit
@@ -59,7 +60,8 @@ class StageShell:
             max_bytes=spec.limits.max_relay_bytes, max_overflow_segments=spec.limits.max_relay_segments,
         )
         self.reader = ShmReader()
-        self.codec = Codec(self.slab, self.reader, self.cfg.inline_threshold_bytes, as_torch=False)
+        self.relay_out, self.relay_in = open_transports(spec.endpoints, spec.process, self.slab, self.reader)
+        self.codec = Codec(self.relay_out, self.relay_in, self.cfg.inline_threshold_bytes, as_torch=False)
         self.stages: dict[str, StageRuntime] = {}
         self.outbox = Outbox(self._peers, self.codec, self.slab, self.owner)
         self.intake = StageIntake(spec, self.stages, self.codec, self.outbox, self.slab, self.reader, self._peers)
@@ -70,8 +72,8 @@ class StageShell:
         self.is_running = False
 
     def close(self) -> None:
-        self.slab.close()
-        self.reader.close()
+        self.relay_out.close()  # NOTE: the slab, and the cross-host engine that serves it when there is one
+        self.relay_in.close()
         if self._auth is not None:
             self._auth.stop()
         self.ctx.destroy(linger=0)

@@ -18,6 +18,7 @@ import zmq
 
 from voice_server.engine import ipc
 from voice_server.engine.messages import (
+    NUM_ABORTED_KEPT,
     Abort,
     Ack,
     Codec,
@@ -26,6 +27,8 @@ from voice_server.engine.messages import (
     MessageError,
     NewRequest,
     PeerDown,
+    PeerMoved,
+    SlabRef,
     StatsQuery,
     StatsReply,
     StreamChunk,
@@ -34,8 +37,9 @@ from voice_server.engine.messages import (
 from voice_server.engine.outbox import Outbox
 from voice_server.engine.replicas import is_valid_plan
 from voice_server.engine.runtime import StageRuntime
+from voice_server.engine.transports import relay_counters
 from voice_server.logs import rate_key
-from voice_server.relay.shm import ShmReader, ShmRef, ShmSlab
+from voice_server.relay.shm import ShmReader, ShmSlab
 from voice_server.scheduling import CapacityError, WorkItem, WorkKind
 
 if TYPE_CHECKING:
@@ -43,7 +47,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("voice_server.stage")
 _MAX_DRAIN = 256
-_NUM_ABORTED_KEPT = 4096
 _NUM_ABORTS_REPORTED = 256
 
 
@@ -81,7 +84,7 @@ class StageIntake:
             self.num_dropped_messages += 1
             log.exception("dropped a message that could not be handled")
 
-    def _decode(self, data: bytes) -> tuple[Message, list[ShmRef]] | None:
+    def _decode(self, data: bytes) -> tuple[Message, list[SlabRef]] | None:
         try:
             return self.codec.decode(data)
         except MessageError as exc:
@@ -122,9 +125,12 @@ class StageIntake:
             self.reader.forget_owner(msg.owner)
             self.slab.release_consumer(msg.process)
             self._peers.reset(msg.process)
+        elif isinstance(msg, PeerMoved):
+            self.spec.endpoints.move(msg.process, msg.address, msg.node)
+            self._peers.reset(msg.process)
         elif isinstance(msg, StatsQuery):
             active = {name: sorted(s.scheduler.active_request_ids) for name, s in self.stages.items()}
-            io = {**self.io_counters, **self.outbox.counters}
+            io = {**self.io_counters, **self.outbox.counters, **relay_counters(self.codec.slab, self.codec.reader)}
             counters = {name: {**s.scheduler.stats(), **s.runner.stats(), **io} for name, s in self.stages.items()}
             recent = dict(itertools.islice(reversed(self.aborted.items()), _NUM_ABORTS_REPORTED))
             self.outbox.send(ipc.COORDINATOR, StatsReply(
@@ -132,7 +138,7 @@ class StageIntake:
                 self.slab.num_live_slots, self.slab.num_used_bytes, self.num_dropped_messages, recent, counters,
             ))
 
-    def _on_work(self, msg: NewRequest | StreamChunk | StreamDone, refs: list[ShmRef]) -> None:
+    def _on_work(self, msg: NewRequest | StreamChunk | StreamDone, refs: list[SlabRef]) -> None:
         runtime = self.stages.get(msg.stage)
         if runtime is None:
             self.num_dropped_messages += 1
@@ -196,7 +202,7 @@ class StageIntake:
 
     def _abort(self, request_id: str) -> None:
         self.aborted[request_id] = time.monotonic()
-        if len(self.aborted) > _NUM_ABORTED_KEPT:
+        if len(self.aborted) > NUM_ABORTED_KEPT:
             self.aborted.popitem(last=False)
         for runtime in self.stages.values():
             runtime.scheduler.abort(request_id)

@@ -36,10 +36,10 @@ class StartupError(RuntimeError):
 class Supervisor:
     def __init__(
         self, cfg: PipelineConfig, launcher: Launcher, on_down: Callable[[ProcessHandle, int, str], None],
-        probe: Callable[[], None],
+        probe: Callable[[], None], on_ready: Callable[[str], None] | None = None,
     ) -> None:
         self.cfg, self.launcher = cfg, launcher
-        self._on_down, self._probe = on_down, probe
+        self._on_down, self._probe, self._on_ready = on_down, probe, on_ready
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._watched: dict[str, int] = {}  # process name -> sentinel fd on the loop
@@ -55,6 +55,8 @@ class Supervisor:
             return False
         handle.state, handle.ready_at, handle.facts = ProcessState.READY, time.monotonic(), dict(facts)
         log.info("stage process '%s' ready (generation %d, pid %s)", process, generation, handle.pid)
+        if self._on_ready is not None:
+            self._on_ready(process)
         return True
 
     def on_progress(self, process: str, generation: int, stage: str, phase: str) -> None:

@@ -36,7 +36,9 @@ Series:
   `voice_server_protocol_errors_total{endpoint,type}`;
 - read from the coordinator at each scrape (`Metrics.watch`): `voice_server_pipeline_ready` (1 when
   `/health` answers 200), `voice_server_stage_restarts_total{stage}` (crashes its process was restarted
-  after) and `voice_server_inflight_requests`.
+  after) and `voice_server_inflight_requests`; for each replica of a replicated stage (`replicas: N`),
+  `voice_server_replica_ready{stage,process}`, `voice_server_replica_restarts_total{stage,process}` and
+  `voice_server_replica_inflight{stage,process}` (the requests planned on it); none for a pipeline without one.
 """
 
 from __future__ import annotations
@@ -212,3 +214,25 @@ class _PipelineCollector(Collector):
         inflight = GaugeMetricFamily("voice_server_inflight_requests", "Requests in flight in the pipeline",
                                      value=float(health.get("num_inflight", 0)))
         yield from (ready, restarts, inflight)
+        yield from _replica_families(health["stages"])
+
+
+def _replica_families(stages: dict[str, Any]) -> Iterator[Metric]:
+    """Per replica of each replicated stage (`/health`'s `replicas`): ready, restarts, requests in flight."""
+    replicated = {stage: entry["replicas"] for stage, entry in stages.items() if entry.get("replicas")}
+    if not replicated:
+        return  # NOTE: no families at all, not empty ones: an unreplicated pipeline's scrape is unchanged
+    labels = ["stage", "process"]
+    ready = GaugeMetricFamily("voice_server_replica_ready", "1 while a replica of a replicated stage is ready",
+                              labels=labels)
+    restarts = CounterMetricFamily("voice_server_replica_restarts", "Restarts of a replica's process after a crash",
+                                   labels=labels)
+    inflight = GaugeMetricFamily("voice_server_replica_inflight", "Requests in flight planned on a replica",
+                                 labels=labels)
+    for stage, replicas in replicated.items():
+        for process, entry in replicas.items():
+            ready.add_metric([stage, process], 1.0 if entry["state"] == "ready" else 0.0)
+            restarts.add_metric([stage, process], float(entry.get("num_restarts", 0)))
+            # NOTE: absent while the pipeline starts (no request yet): 0.
+            inflight.add_metric([stage, process], float(entry.get("num_inflight", 0)))
+    yield from (ready, restarts, inflight)
