@@ -264,6 +264,10 @@ def _fmt_size(nbytes: int) -> str:
     return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
 
 
+def _cell(row: dict[str, Any]) -> str:
+    return f"{row['median_ms']:9.3f} /{row['p90_ms']:9.3f} ({row['gbps']:7.2f})"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     by_key = {(r["size_bytes"], r["variant"]): r for r in rows}
     variants = (*VARIANTS, "memcpy")
@@ -271,10 +275,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     head += " | relay speedup (latency / throughput) vs msgpack, pickle | relay/memcpy (lat / thr)"
     lines = [head, "-" * len(head)]
     for nbytes in sorted({r["size_bytes"] for r in rows}):
-        cells = []
-        for v in variants:
-            r = by_key[(nbytes, v)]
-            cells.append(f"{r['median_ms']:9.3f} /{r['p90_ms']:9.3f} ({r['gbps']:7.2f})")
+        cells = [_cell(by_key[(nbytes, v)]) for v in variants]
         med = {v: by_key[(nbytes, v)]["median_ms"] for v in variants}
         gbps = {v: by_key[(nbytes, v)]["gbps"] for v in variants}
         ratios = (f"{med['msgpack'] / med['relay']:5.1f}x / {gbps['relay'] / gbps['msgpack']:5.1f}x, "
@@ -292,10 +293,7 @@ def format_cross_host_table(rows: list[dict[str, Any]]) -> str:
     head += " | " + ", ".join(others) + " slowdown vs shm (latency / throughput)"
     lines = [head, "-" * len(head)]
     for nbytes in sorted({r["size_bytes"] for r in rows}):
-        cells = []
-        for v in variants:
-            r = by_key[(nbytes, v)]
-            cells.append(f"{r['median_ms']:9.3f} /{r['p90_ms']:9.3f} ({r['gbps']:7.2f})")
+        cells = [_cell(by_key[(nbytes, v)]) for v in variants]
         shm = by_key[(nbytes, "shm")]
         ratios = ", ".join(f"{by_key[(nbytes, v)]['median_ms'] / shm['median_ms']:6.1f}x / "
                            f"{shm['gbps'] / by_key[(nbytes, v)]['gbps']:6.1f}x" for v in others)

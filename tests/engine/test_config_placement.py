@@ -99,3 +99,43 @@ def test_memory_fractions_add_up_per_node() -> None:
     raw["stages"][1]["placement"] = raw["stages"][0]["placement"]
     with pytest.raises(BudgetError, match=r"device cuda:0 on the node of placement thinker_host:1 is over budget"):
         plan_budget(pipeline_from_dict(raw))
+
+
+_WITHOUT_RAY = r'''
+import asyncio, importlib.abc, sys
+
+class NoRay(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("ray", "mooncake"):
+            raise ImportError(f"{name} is not installed here")
+        return None
+
+sys.meta_path.insert(0, NoRay())
+import numpy as np
+from voice_server.config import load_pipeline
+from voice_server.engine.coordinator import Coordinator
+
+async def main():
+    coordinator = Coordinator(load_pipeline("configs/test_numeric.yaml"))
+    await coordinator.start()
+    try:
+        outputs = [o async for o in coordinator.submit({"signal": np.ones(10000, np.float32)})]
+    finally:
+        await coordinator.stop()
+    assert outputs[-1].is_final and outputs[-1].payload["num_frames"] == 3, outputs[-1]
+    assert not [m for m in sys.modules if m.split(".")[0] in ("ray", "mooncake")]
+    print("served without ray")
+
+asyncio.run(main())
+'''
+
+
+def test_a_local_launch_needs_neither_ray_nor_mooncake() -> None:
+    """`make run` installs neither: a local pipeline starts, serves and stops with both unimportable."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_RAY], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "served without ray" in done.stdout

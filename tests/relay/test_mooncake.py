@@ -4,6 +4,7 @@ this process, over real TCP sockets on 127.0.0.1 and real /dev/shm segments."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import multiprocessing as mp
 import os
@@ -204,16 +205,17 @@ def test_hung_producer_times_out_once_then_fails_fast(monkeypatch: pytest.Monkey
 
 
 def test_remote_ref_wire_and_reader_checks(readers: RelayReaders) -> None:
-    ref = RemoteRef("talker-0", "vs-x-talker-0-0", 128, 24, 7, "float32", (2, 3), "10.0.0.2:15123", 0x7F00_0000_0080)
+    slot = ShmRef("talker-0", "vs-x-talker-0-0", 128, 24, 7, "float32", (2, 3))
+    ref = RemoteRef(slot, "10.0.0.2:15123", 0x7F00_0000_0080)
     wire = msgpack.unpackb(msgpack.packb(ref.to_wire()))
     assert RemoteRef.from_wire(wire) == ref and ref.slot_id == 7 and ref.owner == "talker-0"
     with pytest.raises(ValueError, match="does not match"):
-        readers.get(RemoteRef(**{**ref.__dict__, "nbytes": 25}))
+        readers.get(RemoteRef(dataclasses.replace(slot, nbytes=25), ref.session, ref.address))
     with pytest.raises(OSError, match="no cross-host reader"):
         RelayReaders(ShmReader()).get(ref)
     # NOTE: no engine listens at this session: an OSError, not a hang or a crash.
     with pytest.raises(OSError, match="failed"):
-        readers.get(RemoteRef(**{**ref.__dict__, "session": "127.0.0.1:9"}))
+        readers.get(dataclasses.replace(ref, session="127.0.0.1:9"))
 
 
 def test_slab_observer_sees_every_segment_at_its_address() -> None:
@@ -270,7 +272,7 @@ def test_relay_imports_without_mooncake() -> None:
         "    print(exc)\n"
         "readers = relay.RelayReaders(relay.ShmReader(), lambda: relay.MooncakeReader('127.0.0.1'))\n"
         "try:\n"
-        "    readers.get(relay.RemoteRef('p', 's', 0, 4, 0, 'float32', (1,), '127.0.0.1:9', 4096))\n"
+        "    readers.get(relay.RemoteRef(relay.ShmRef('p', 's', 0, 4, 0, 'float32', (1,)), '127.0.0.1:9', 4096))\n"
         "except OSError as exc:\n"  # NOTE: what the codec turns into a RelayReadError for that message
         "    print(exc)\n"
     )

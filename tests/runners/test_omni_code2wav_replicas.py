@@ -16,7 +16,6 @@ import asyncio
 import os
 import signal
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,12 +35,6 @@ KILL_LIMITS = (12, 16)
 
 Job = tuple[int, int, int]
 """(index into `omni_cases()`, reply tokens, frames)."""
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> TinyOmni:
-    ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni")
-    return TinyOmni(ckpt)
 
 
 @pytest.fixture(scope="module")

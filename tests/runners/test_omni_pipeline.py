@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,12 +25,6 @@ from voice_server.engine.requests import RequestError
 from voice_server.models.qwen3_omni.presets import tiny_prompt_ids
 
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> TinyOmni:
-    ckpt: Path = tmp_path_factory.mktemp("tiny_qwen3_omni")
-    return TinyOmni(ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -39,11 +39,6 @@ ON_WORKER = ("talker", "code2wav")
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> TinyOmni:
-    return TinyOmni(tmp_path_factory.mktemp("tiny_qwen3_omni"))
-
-
-@pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoNodeCluster]:
     cluster = TwoNodeCluster(tmp_path_factory.mktemp("ray")).start()
     try:

@@ -30,12 +30,13 @@ import numpy as np
 
 from voice_server.relay.base import ConsumerTransport
 from voice_server.relay.mooncake_engine import Engine, transfer_timeout_s
+from voice_server.relay.shm import ShmRef
 from voice_server.relay.tensors import from_buffer, numpy_dtype
 
 if TYPE_CHECKING:
     import torch
 
-    from voice_server.relay.shm import ShmRef, ShmSlab
+    from voice_server.relay.shm import ShmSlab
 
 DEFAULT_STAGING_BYTES = 8 << 20
 _MAX_ADDRESS = 2**64 - 1
@@ -43,26 +44,39 @@ _MAX_ADDRESS = 2**64 - 1
 
 @dataclass(frozen=True)
 class RemoteRef:
-    """A slot of a producer's slab, readable at `address` through the Mooncake engine at `session`."""
+    """A slot of a producer's slab (its `ShmRef`), readable at `address` through the Mooncake engine at `session`."""
 
-    owner: str
-    segment: str
-    offset: int
-    nbytes: int
-    slot_id: int
-    dtype: str
-    shape: tuple[int, ...]
+    slot: ShmRef
     session: str  # "host:port" of the producer's engine
     address: int  # the producer's virtual address of the slot's first byte
 
+    @property
+    def owner(self) -> str:
+        return self.slot.owner
+
+    @property
+    def slot_id(self) -> int:
+        return self.slot.slot_id
+
+    @property
+    def nbytes(self) -> int:
+        return self.slot.nbytes
+
+    @property
+    def dtype(self) -> str:
+        return self.slot.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.slot.shape
+
     def to_wire(self) -> list[Any]:
-        return [self.owner, self.segment, self.offset, self.nbytes, self.slot_id, self.dtype, list(self.shape),
-                self.session, self.address]
+        return [self.slot.to_wire(), self.session, self.address]
 
     @classmethod
     def from_wire(cls, items: list[Any]) -> RemoteRef:
-        owner, segment, offset, nbytes, slot_id, dtype, shape, session, address = items
-        return cls(owner, segment, offset, nbytes, slot_id, dtype, tuple(shape), session, address)
+        slot, session, address = items
+        return cls(ShmRef.from_wire(slot), session, address)
 
 
 class MooncakeExporter:
@@ -112,8 +126,7 @@ class MooncakeExporter:
             raise RuntimeError(f"segment {ref.segment} is not registered with exporter {self.session}")
         self.num_exports += 1
         self.num_export_bytes += ref.nbytes
-        return RemoteRef(ref.owner, ref.segment, ref.offset, ref.nbytes, ref.slot_id, ref.dtype, ref.shape,
-                         self.session, base + ref.offset)
+        return RemoteRef(ref, self.session, base + ref.offset)
 
     def close(self) -> None:
         """Unregister every segment (the slab keeps them) and stop the engine."""
