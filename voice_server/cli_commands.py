@@ -67,10 +67,10 @@ def check_config(path: str, *, show_traceback: bool = False, is_device_check: bo
     print(describe_topology(cfg))
     print()
     print(format_budget(budgets, plan_memory(cfg)))
-    if cfg.launcher == "ray":
-        return _check_cluster(cfg)
     if not is_device_check and any(s.device != "cpu" for s in cfg.stages):
         print("\nnote: --skip-device-check: this host was not checked for the cuda devices above")
+    if cfg.launcher == "ray":
+        return _check_cluster(cfg)
     return 0
 
 

@@ -155,6 +155,7 @@ def test_a_lost_node_fails_its_requests_and_its_stages_come_back_when_a_node_is_
     failed = split.run(in_flight(), timeout=120)
     assert all(isinstance(r, RequestError) for r in failed), failed
     assert all(any(f"stage process '{p}'" in str(r) for p in ON_WORKER) for r in failed), failed
+    assert all(f"on node {WORKER_IP} died" in str(r) for r in failed), failed  # NOTE: the host's death, not "-9"
     deadline = time.monotonic() + 20
     # NOTE: each process's death reaches the server on its own, within the cluster's health checks.
     while {(health := coordinator.health())["stages"][p]["state"] for p in ON_WORKER} != {"restarting"}:

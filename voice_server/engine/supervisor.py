@@ -122,7 +122,9 @@ class Supervisor:
             if handle.state in (ProcessState.STARTING, ProcessState.READY):
                 code = handle.exitcode()
                 if code is not None:
-                    self._down(handle, now, handle.last_error or f"exited with code {code}")
+                    # NOTE: a process on a Ray node says when its host (actor, node) died under it (`RayProcess`).
+                    host_death = getattr(handle.process, "death_reason", None)
+                    self._down(handle, now, handle.last_error or host_death or f"exited with code {code}")
                 elif handle.state is ProcessState.STARTING and handle.last_error:
                     self._down(handle, now, handle.last_error)  # reported StartupFailed
                 elif handle.state is ProcessState.STARTING and now > handle.started_at + self.cfg.startup_timeout_s:
