@@ -41,6 +41,9 @@ def test_placements_reach_each_process_and_each_replica() -> None:
     assert cfg.process_placement("s2").is_empty
     assert cfg.launcher == "ray" and cfg.ray_address == "auto"
     assert pipeline_from_dict(config(None, None)).launcher == "local"
+    # Ray's selector syntax on a label value.
+    selectors = {"a": "!thinker", "b": "in(edge, phone)", "c": "!in(x,y)"}
+    assert pipeline_from_dict(config({"node_labels": selectors}, **RAY)).process_placement("s0").node_labels == selectors
 
 
 @pytest.mark.parametrize(("placement", "extra", "needle"), [
@@ -50,7 +53,8 @@ def test_placements_reach_each_process_and_each_replica() -> None:
     ({"resources": {"h": True}}, RAY, "field 'placement.resources.h': must be a number > 0"),
     ({"resources": {"memory": 1e9}}, RAY, "field 'placement.resources.memory': is not placed per stage"),
     ({"resources": ["h"]}, RAY, "field 'placement.resources': must be a mapping"),
-    ({"node_labels": {"role": 3}}, RAY, "field 'placement.node_labels.role': must be a string"),
+    ({"node_labels": {"role": 3}}, RAY, "field 'placement.node_labels.role': must be a label value"),
+    ({"node_labels": {"role": "in(a,"}}, RAY, "field 'placement.node_labels.role': must be a label value"),
     ({"node_labels": {"bad key!": "x"}}, RAY, "field 'placement.node_labels': key 'bad key!' must match"),
     ({"nodes": 2}, RAY, "field 'placement.nodes': unknown field 'nodes' (known: node_labels, resources)"),
     ("talker", RAY, "field 'placement': must be a mapping with node_labels and/or resources"),

@@ -21,7 +21,8 @@ import ray
 from harness import shm_segments, wait_for
 from ray_cluster import HEAD_IP, ROLE, WORKER_IP, TwoNodeCluster, is_running, read_report, stand_in_spec, stand_in_stage
 
-from voice_server.engine.ray_hosts import Placement, RayHosts
+from voice_server.config.placement import Placement
+from voice_server.engine.ray_hosts import RayHosts
 from voice_server.engine.ray_process import RayProcess
 
 PLACEMENTS = {

@@ -2,7 +2,7 @@
 
 A stage's `placement` names what the node of its process must offer:
 - `node_labels`: Ray node labels the node must carry (`ray start --labels` / `Cluster.add_node(labels=)`),
-  e.g. `{"voice-server/role": "talker"}`;
+  e.g. `{"voice-server/role": "talker"}`, in Ray's selector syntax (`!value`, `in(a, b)`, `!in(a, b)` too);
 - `resources`: Ray resources its placement-group bundle reserves, e.g. custom ones given to a node at
   `ray start --resources '{"talker_host": 1}'`, or `{"GPU": 1}`.
 
@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 
 MAX_ENTRIES = 16
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-/]{0,62}$")
-_VALUE_RE = re.compile(r"^[A-Za-z0-9_.\-]{0,63}$")
+_LABEL_VALUE = r"[A-Za-z0-9_.\-]{1,63}"
+_VALUE_RE = re.compile(rf"^!?(?:{_LABEL_VALUE}|in\({_LABEL_VALUE}(?:, ?{_LABEL_VALUE})*\))$")
+"""A label value, or Ray's selector syntax on it: `v`, `!v`, `in(a, b)`, `!in(a, b)`."""
 _RESERVED_RESOURCES = ("memory", "object_store_memory")
 """Ray accounts these in bytes per node; a stage's memory is its `memory_fraction`, checked by the budget."""
 
@@ -51,7 +53,8 @@ class Placement:
         for key, value in self.node_labels.items():
             if not isinstance(value, str) or not _VALUE_RE.match(value):
                 raise fail(where, f"placement.node_labels.{key}",
-                           f"must be a string of [A-Za-z0-9_.-] (at most 63 characters), got {show(value)}")
+                           f"must be a label value of [A-Za-z0-9_.-] (at most 63 characters), or `!value`, "
+                           f"`in(a, b)`, `!in(a, b)`, got {show(value)}")
         for key, amount in self.resources.items():
             if key in _RESERVED_RESOURCES:
                 raise fail(where, f"placement.resources.{key}",

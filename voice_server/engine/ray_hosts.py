@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import signal
-import socket
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import ray
 import ray.exceptions
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from voice_server.config.placement import Placement
 from voice_server.engine.bootstrap import start_stage_process
+from voice_server.engine.ray_cluster import connect_cluster, labels_match
 from voice_server.engine.ray_process import _POLL_S, RayProcess, _await_actor, _Host, _reason
 from voice_server.engine.stage_host import StageHost, StageTarget
 
@@ -40,24 +39,6 @@ _MAX_CONCURRENCY = 16
 _PLACEHOLDER_BUNDLE = {"memory": 1.0}
 """NOTE: Ray refuses an empty bundle; every node has `memory`, and one byte of it takes nothing from anyone."""
 _NODE_ID_LABEL = "ray.io/node-id"
-
-
-class PlacementLike(Protocol):
-    @property
-    def node_labels(self) -> Mapping[str, str]: ...
-
-    @property
-    def resources(self) -> Mapping[str, float]: ...
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where a process runs; neither given: on the server's node (its bundle pinned by the node-id label)."""
-
-    node_labels: dict[str, str] = field(default_factory=dict)
-    """Label selector of its node, in Ray's syntax: `v`, `!v`, `in(a, b)`, `!in(a, b)`."""
-    resources: dict[str, float] = field(default_factory=dict)
-    """What its bundle reserves: custom resources such as `{"talker_host": 1}`, `GPU`."""
 
 
 class StageHostLost(OSError):
@@ -74,7 +55,7 @@ class RayHosts:
     """
 
     def __init__(
-        self, launch_id: str, address: str, placements: Mapping[str, PlacementLike],
+        self, launch_id: str, address: str, placements: Mapping[str, Placement],
         target: StageTarget = start_stage_process, call_timeout_s: float = 30.0,
     ) -> None:
         if not address:
@@ -316,39 +297,3 @@ class RayHosts:
         if self._is_connected:
             ray.shutdown()
             self._is_connected = False
-
-
-def connect_cluster(address: str, timeout_s: float) -> None:
-    """Join the cluster at `address` (with an address, ray.init only connects, never starts a cluster).
-
-    NOTE: ray.init waits minutes for a GCS that does not answer: a `host:port` address is tried first. On the main
-    thread it replaces SIGTERM's handler with `sys.exit`, and it sets `PYTHONBREAKPOINT` (its debugger) in the
-    environment: the server's handler (the event loop's, `server/runner.py`) and environment are put back.
-    """
-    host, _, port = address.rpartition(":")
-    if host and port.isdigit() and "://" not in host:
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=max(0.1, timeout_s)).close()
-        except OSError as exc:
-            raise RuntimeError(f"cannot reach the Ray cluster at {address}: {exc}") from exc
-    is_main = threading.current_thread() is threading.main_thread()
-    handler, env = signal.getsignal(signal.SIGTERM) if is_main else None, dict(os.environ)
-    try:
-        ray.init(address=address)
-    finally:
-        if handler is not None:
-            signal.signal(signal.SIGTERM, handler)
-        for key in [k for k in os.environ if k not in env]:
-            del os.environ[key]
-        os.environ.update(env)
-
-
-def labels_match(labels: Mapping[str, str], selector: Mapping[str, str]) -> bool:
-    """Ray's label selector, for the message of what cannot be placed."""
-    for key, expr in selector.items():
-        is_negated = expr.startswith("!")
-        expr = expr.removeprefix("!")
-        values = {v.strip() for v in expr[3:-1].split(",")} if expr.startswith("in(") and expr.endswith(")") else {expr}
-        if (labels.get(key) in values) == is_negated:
-            return False
-    return True

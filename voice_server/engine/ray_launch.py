@@ -103,7 +103,7 @@ def check_cluster(cfg: PipelineConfig, timeout_s: float = 5.0) -> list[str]:
     ConnectionError when no cluster answers there."""
     import ray
 
-    from voice_server.engine.ray_hosts import connect_cluster, labels_match
+    from voice_server.engine.ray_cluster import connect_cluster, labels_match
 
     is_connected_here = not ray.is_initialized()
     if is_connected_here:
