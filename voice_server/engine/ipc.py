@@ -68,12 +68,12 @@ class Endpoints:
             # this node's address in the cluster (an address to connect to, not only to bind).
             host = hosts.driver_node_ip() if cfg.tcp_host in _WILDCARDS else cfg.tcp_host
             own = _free_ports(host, 2)
-            inboxes = {COORDINATOR: f"tcp://{_host_literal(host)}:{own[0]}"}
+            inboxes = {COORDINATOR: f"tcp://{host_literal(host)}:{own[0]}"}
             nodes = {COORDINATOR: hosts.driver_node_id()}
             for name in cfg.processes:
                 inboxes[name] = hosts.inbox_address(name)
                 nodes[name] = hosts.node_id(name)
-            broadcast = f"tcp://{_host_literal(host)}:{own[1]}"
+            broadcast = f"tcp://{host_literal(host)}:{own[1]}"
             return cls(inboxes, broadcast, CurveKeys.create(), nodes)
         if cfg.control_transport == "ipc":
             paths = {n: run_dir.socket(f"in-{n}") for n in names}
@@ -86,7 +86,7 @@ class Endpoints:
                 )
             return cls({n: f"ipc://{p}" for n, p in paths.items()}, f"ipc://{pub}")
         ports = _free_ports(cfg.tcp_host, len(names) + 1)
-        addresses = [f"tcp://{_host_literal(cfg.tcp_host)}:{port}" for port in ports]
+        addresses = [f"tcp://{host_literal(cfg.tcp_host)}:{port}" for port in ports]
         return cls(dict(zip(names, addresses)), addresses[-1], CurveKeys.create())
 
     def is_remote(self, process: str, peer: str) -> bool:
@@ -150,7 +150,7 @@ class _LaunchKey:
         return bool((key.encode() if isinstance(key, str) else key) == self.client_public)
 
 
-def _host_literal(host: str) -> str:
+def host_literal(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 

@@ -17,17 +17,13 @@ import logging
 
 from voice_server.config import PipelineConfig
 from voice_server.config.errors import fail
-from voice_server.engine.ipc import NodeHosts
+from voice_server.engine.ipc import NodeHosts, host_literal
 from voice_server.engine.launcher import PlacementPending, StageProcess
 from voice_server.engine.ray_hosts import RayHosts
 
 log = logging.getLogger("voice_server.launcher")
 _REPLACE_TIMEOUT_S = 30.0
 """How long one attempt waits for a node to take a lost process's bundle before the next attempt starts one."""
-
-
-def _host_literal(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 class RayBackend:
@@ -60,7 +56,7 @@ class RayBackend:
         return self.hosts.node_id(process)
 
     def inbox_address(self, process: str) -> str:
-        return f"tcp://{_host_literal(self.hosts.node_ip(process))}:{self.hosts.free_port(process)}"
+        return f"tcp://{host_literal(self.hosts.node_ip(process))}:{self.hosts.free_port(process)}"
 
     # -- `engine/launcher.py: StageBackend` ---------------------------------------------------------
 
