@@ -54,18 +54,24 @@ class Pipeline:
 
         return self.run(go())
 
-    def collect_all(self, payloads: list[dict[str, Any]], params: dict[str, Any] | None = None) -> list[Any]:
-        """Every payload submitted at once: each one's outputs, or the RequestError that ended it."""
-        async def one(payload: dict[str, Any]) -> Any:
+    def collect_all(
+        self, payloads: list[dict[str, Any]], params: dict[str, Any] | list[dict[str, Any]] | None = None,
+        stagger_s: float = 0.0, timeout: float = 60.0,
+    ) -> list[Any]:
+        """Every payload submitted at once (or the i-th after `i * stagger_s`), with `params` or its own of a list:
+        each one's outputs, or the RequestError that ended it."""
+        async def one(i: int, payload: dict[str, Any]) -> Any:
+            await asyncio.sleep(i * stagger_s)
             try:
-                return [o async for o in self.coordinator.submit(payload, params)]
+                return [o async for o in self.coordinator.submit(payload, params[i] if isinstance(params, list)
+                                                                 else params)]
             except RequestError as exc:
                 return exc
 
         async def go() -> list[Any]:
-            return await asyncio.gather(*(one(p) for p in payloads))
+            return await asyncio.gather(*(one(i, p) for i, p in enumerate(payloads)))
 
-        return self.run(go())
+        return self.run(go(), timeout)
 
     def close(self) -> None:
         self.lt.run(self.coordinator.stop())

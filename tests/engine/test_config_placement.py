@@ -43,7 +43,8 @@ def test_placements_reach_each_process_and_each_replica() -> None:
     assert pipeline_from_dict(config(None, None)).launcher == "local"
     # Ray's selector syntax on a label value.
     selectors = {"a": "!thinker", "b": "in(edge, phone)", "c": "!in(x,y)"}
-    assert pipeline_from_dict(config({"node_labels": selectors}, **RAY)).process_placement("s0").node_labels == selectors
+    cfg = pipeline_from_dict(config({"node_labels": selectors}, **RAY))
+    assert cfg.process_placement("s0").node_labels == selectors
 
 
 @pytest.mark.parametrize(("placement", "extra", "needle"), [

@@ -82,7 +82,7 @@ def run_jobs(
 
     async def go() -> tuple[dict[str, int], list[list[Any] | RequestError]]:
         # NOTE: no await between the submits: each plan sees every request planned before it. Each run has its
-        # own ids: a stage drops, without a word, a new request whose id it recently aborted (a failed one's).
+        # own ids: the coordinator refuses the id of a request it aborted or failed.
         params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for _, n, f in jobs]
         streams = [coordinator.submit(reference.cases[case][0], params[i], request_id=f"{prefix}{i}")
                    for i, (case, _, _) in enumerate(jobs)]

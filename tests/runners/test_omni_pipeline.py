@@ -35,22 +35,9 @@ def omni(reference: TinyOmni) -> Iterator[Pipeline]:
     assert shm_segments(pipeline.coordinator.launch_id) == []
 
 
-def submit_all(
-    omni: Pipeline, payloads: list[dict[str, Any]], params: list[dict[str, Any]], stagger_s: float,
-) -> list[list[Any]]:
-    async def one(i: int, payload: dict[str, Any]) -> list[Any]:
-        await asyncio.sleep(i * stagger_s)
-        return [o async for o in omni.coordinator.submit(payload, params[i])]
-
-    async def go() -> list[list[Any]]:
-        return await asyncio.gather(*(one(i, p) for i, p in enumerate(payloads)), return_exceptions=True)
-
-    return omni.run(go(), timeout=300)
-
-
 def test_eight_staggered_requests_stream_what_the_reference_generates(omni: Pipeline, reference: TinyOmni) -> None:
     params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for n, f in LIMITS]
-    outputs = submit_all(omni, [payload for payload, _ in reference.cases], params, stagger_s=0.1)
+    outputs = omni.collect_all([payload for payload, _ in reference.cases], params, stagger_s=0.1, timeout=300)
     for case, ((max_new_tokens, max_frames), got) in enumerate(zip(LIMITS, outputs, strict=True)):
         assert not isinstance(got, BaseException), got
         summary = reference.check(case, max_new_tokens, max_frames, got)
@@ -123,7 +110,7 @@ def test_all_stages_in_one_process_stream_the_same(reference: TinyOmni) -> None:
     try:
         cases = (1, 6)  # one text prompt, one audio prompt
         params = [{"sampling": {"max_tokens": LIMITS[i][0]}, "talker": {"max_frames": LIMITS[i][1]}} for i in cases]
-        outputs = submit_all(pipeline, [reference.cases[i][0] for i in cases], params, stagger_s=0.05)
+        outputs = pipeline.collect_all([reference.cases[i][0] for i in cases], params, stagger_s=0.05, timeout=300)
         for case, got in zip(cases, outputs, strict=True):
             assert not isinstance(got, BaseException), got
             reference.check(case, *LIMITS[case], got)

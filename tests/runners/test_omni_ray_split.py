@@ -69,18 +69,9 @@ def split(reference: TinyOmni, cluster: TwoNodeCluster) -> Iterator[Pipeline]:
 
 
 def submit_all(omni: Pipeline, jobs: list[tuple[int, int, int]], reference: TinyOmni, stagger_s: float) -> list[Any]:
-    async def one(i: int, case: int, max_new_tokens: int, max_frames: int) -> Any:
-        await asyncio.sleep(i * stagger_s)
-        params = {"sampling": {"max_tokens": max_new_tokens}, "talker": {"max_frames": max_frames}}
-        try:
-            return [o async for o in omni.coordinator.submit(reference.cases[case][0], params)]
-        except RequestError as exc:
-            return exc
-
-    async def go() -> list[Any]:
-        return await asyncio.gather(*(one(i, *job) for i, job in enumerate(jobs)))
-
-    return omni.run(go(), timeout=300)
+    """`(case, reply tokens, frames)` jobs, staggered: each one's outputs or the RequestError that ended it."""
+    params = [{"sampling": {"max_tokens": n}, "talker": {"max_frames": f}} for _, n, f in jobs]
+    return omni.collect_all([reference.cases[case][0] for case, _, _ in jobs], params, stagger_s, timeout=300)
 
 
 def remote_counters(omni: Pipeline) -> dict[str, dict[str, int]]:

@@ -137,9 +137,8 @@ class Coordinator:
             self.launch_id, self.owner, self.cfg.relay_slab_bytes,
             max_bytes=self.limits.max_relay_bytes, max_overflow_segments=self.limits.max_relay_segments,
         )
-        self._cleanups.append((self.slab.close, False))
         self.reader = ShmReader()
-        self._cleanups.append((self.reader.close, False))
+        # NOTE: closing the transports closes the slab and reader they wrap (they are those two on one host).
         self.relay_out, self.relay_in = open_transports(self.endpoints, ipc.COORDINATOR, self.slab, self.reader)
         self._cleanups.append((self.relay_out.close, False))
         self._cleanups.append((self.relay_in.close, False))
