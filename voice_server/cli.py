@@ -133,7 +133,7 @@ def _main(argv: list[str] | None) -> int:
     )
     p_serve.add_argument(
         "--backlog", type=_positive_int, default=None,
-        help="TCP listen backlog (default: an eighth of the descriptor limit, at most 2048)",
+        help="TCP listen backlog (default: a sixteenth of the descriptor limit, at most 2048)",
     )
     _add_session_flags(p_serve)
     p_serve.add_argument(

@@ -118,7 +118,7 @@ def test_bad_limits_name_the_field() -> None:
 
 
 def test_default_limits_follow_the_descriptor_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    for soft, max_connections, backlog in [(256, 128, 32), (1024, 512, 128), (20000, 4096, 2048), (40, 20, 16)]:
+    for soft, max_connections, backlog in [(256, 128, 16), (1024, 512, 64), (40000, 4096, 2048), (40, 20, 16)]:
         monkeypatch.setattr(resource, "getrlimit", lambda _, soft=soft: (soft, soft))
         assert (default_max_connections(), default_backlog()) == (max_connections, backlog)
         assert HttpLimits().max_connections == max_connections

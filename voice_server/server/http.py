@@ -70,9 +70,9 @@ def default_max_connections() -> int:
 
 
 def default_backlog() -> int:
-    """An eighth of the soft descriptor limit, within [16, 2048]."""
+    """A sixteenth of the soft descriptor limit, within [16, 2048]."""
     soft = _soft_nofile()
-    return _MAX_DEFAULT_BACKLOG if soft is None else max(_MIN_DEFAULT, min(_MAX_DEFAULT_BACKLOG, soft // 8))
+    return _MAX_DEFAULT_BACKLOG if soft is None else max(_MIN_DEFAULT, min(_MAX_DEFAULT_BACKLOG, soft // 16))
 
 
 @dataclass(frozen=True)
@@ -87,9 +87,11 @@ class HttpLimits:
     backlog: int = field(default_factory=default_backlog)
     """Pending TCP connections the kernel queues (Linux caps it at net.core.somaxconn).
 
-    NOTE: asyncio also accepts up to `backlog` connections in one go before any of them is
-    refused, so descriptors peak at about engine + max_connections + backlog: the defaults (1/2 and
-    1/8 of the soft limit) leave 3/8 of it to the engine, and a connection flood never hits EMFILE."""
+    NOTE: asyncio accepts up to `backlog` connections per loop turn, and a refused one's descriptor is
+    freed only a turn or two later (`connection_made` runs on the next turn, the close on the one
+    after), so under a flood descriptors peak at about engine + max_connections + 3 x backlog: the
+    defaults (1/2 and 1/16 of the soft limit) leave 5/16 of it to the engine, and a flood never hits
+    EMFILE. With 1/8, 35 + 128 + 3 x 32 = 259 of 256 did, now and then."""
     shutdown_grace_s: int = 1
     """On a stop signal, requests and WebSockets in flight get this long (whole seconds, uvicorn's
     `timeout_graceful_shutdown`) before they are cancelled."""
