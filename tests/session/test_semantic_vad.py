@@ -41,20 +41,29 @@ def room(ms: int, rate: int = ASR_RATE, seed: int = 0) -> np.ndarray:
     return (1e-3 * np.random.default_rng(seed).standard_normal(rate * ms // 1000)).astype(np.float32)
 
 
+def first_loud_ms(audio: np.ndarray, rate: int) -> int:
+    return int(np.flatnonzero(frame_levels_db(audio, rate) >= -40.0)[0]) * 10
+
+
 def last_loud_ms(audio: np.ndarray, rate: int) -> int:
     return int(np.flatnonzero(frame_levels_db(audio, rate) >= -40.0)[-1] + 1) * 10
 
 
-@pytest.mark.parametrize("noise_db", [-60.0, -40.0])
-def test_a_question_ends_its_turn_soon_after_the_last_word(noise_db: float) -> None:
+@pytest.mark.parametrize(("noise_db", "quiet_ms"), [(-60.0, 0), (-40.0, 0), (-40.0, 3000)])
+def test_a_question_ends_its_turn_soon_after_the_last_word(noise_db: float, quiet_ms: int) -> None:
     """On a quiet room and on a line with noise 20 dB under the speech (-40 dBFS: the quiet gate follows
-    the floor; a fixed -50 dBFS gate never fired there, leaving Silero's 60-200 ms lag in the pause)."""
-    clean = speech("What is the capital of France?", silence_s=0.5)
+    the floor; a fixed -50 dBFS gate never fired there, leaving Silero's 60-200 ms lag in the pause), also
+    where the noise starts 0.3 s before the words, after `quiet_ms` of a quiet room (the floor follows the
+    latest non-speech: over ~2 s of it, the room's -60 dBFS held the gate down through the question)."""
+    clean = speech("What is the capital of France?", silence_s=0.0)
+    clean = np.concatenate([clean, np.zeros(ASR_RATE // 2, np.float32)])  # NOTE: the commit's silence
     level = 10 * np.log10(np.mean(clean[np.abs(clean) > 1e-3] ** 2))
     clean = clean * np.float32(10 ** ((-20.0 - level) / 20))
-    noise = room(1000 + clean.size * 1000 // ASR_RATE)
-    audio = noise * np.float32(10 ** ((noise_db + 60.0) / 20))
-    audio[-clean.size:] += clean  # NOTE: a second of the line's noise first, as a call opens
+    clean_ms = clean.size * 1000 // ASR_RATE
+    # NOTE: a second of the line's noise before the words, or (after a quiet room) 0.3 s of it
+    noise = room(1000 + clean_ms if quiet_ms == 0 else 300 + clean_ms - first_loud_ms(clean, ASR_RATE))
+    audio = np.concatenate([room(quiet_ms, seed=1), noise * np.float32(10 ** ((noise_db + 60.0) / 20))])
+    audio[-clean.size:] += clean
     detector = SemanticTurnDetector(SEMANTIC, ASR_RATE)
     events = feed_all(detector, audio, ASR_RATE)
     kinds = [type(e) for _, e in events]
@@ -66,6 +75,8 @@ def test_a_question_ends_its_turn_soon_after_the_last_word(noise_db: float) -> N
     # NOTE: the quiet gate puts the end of speech within a window of the last loud frame, and the commit
     # comes at the eagerness's minimum silence after it (the score was in at the pause).
     assert abs(stopped.speech_end_ms - end_ms) <= 64, (stopped, end_ms)
+    paused_at = next(at for at, e in events if isinstance(e, SilenceStarted))
+    assert paused_at - end_ms <= 96 + 48, (events, end_ms)  # NOTE: the pause's three windows, and one more
     assert stopped_at - end_ms <= SEMANTIC.rules.min_silence_ms + 96
 
 

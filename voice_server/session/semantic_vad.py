@@ -58,7 +58,15 @@ SPEECH_MARGIN_DB = 15.0
 part, near its active speech level; their median falls in the soft parts): at a low SNR a word's soft
 sounds sit near the floor, and Silero alone decides (as with no gate)."""
 NUM_LEVEL_WINDOWS = 64
-"""Windows (~2 s) of each kind that give the floor and the speaker's level."""
+"""Speech windows (~2 s) that give the speaker's level."""
+NUM_FLOOR_WINDOWS = 16
+"""Non-speech windows (~0.5 s, the latest) that give the line's floor. Not more: noise that starts with
+the call's speaker (a street, a car, a fan switched on) must move the floor before their first pause; with
+~2 s of a quiet room still in the median, the gate stayed at `QUIET_DB` through a whole question on a line
+that turned noisy 0.3 s before it, and each pause came with Silero's 60-200 ms lag
+(`loadtest/bench_turntaking.py`'s noisy items: 83 ms median from the last word to the end of speech,
+2 ms with the floor on these windows). A cough among them moves the median for a moment only, and the
+gate is always `SPEECH_MARGIN_DB` under the speaker."""
 MIN_NOISE_WINDOWS = 8
 """The floor is not guessed from less (~0.25 s); until then the gate is `QUIET_DB`."""
 
@@ -68,12 +76,13 @@ class QuietGate:
 
     A fixed level (`QUIET_DB`) never fires on a noisy line (a phone, a street, a fan), which left the
     60-200 ms of Silero's lag after the last word in every pause there. The gate follows the median
-    level of the last windows Silero calls non-speech (the floor) and the upper quartile of those it
-    calls speech (the speaker), so a cough or a burst among them moves neither: a window is quiet under
+    level of the last windows Silero calls non-speech (the floor, over ~0.5 s) and the upper quartile of
+    those it calls speech (the speaker, over ~2 s), so a cough or a burst among them moves neither for
+    long: a window is quiet under
     `min(floor + FLOOR_MARGIN_DB, speaker - SPEECH_MARGIN_DB)`, and always under `QUIET_DB`."""
 
     def __init__(self) -> None:
-        self._noise: deque[float] = deque(maxlen=NUM_LEVEL_WINDOWS)
+        self._noise: deque[float] = deque(maxlen=NUM_FLOOR_WINDOWS)
         self._speech: deque[float] = deque(maxlen=NUM_LEVEL_WINDOWS)
         self.level_db = QUIET_DB
         """Windows under this RMS level are quiet."""
