@@ -15,6 +15,7 @@ from voice_server.config.env import check_env, check_process_env, process_env
 from voice_server.config.errors import ConfigError, fail, quoted
 from voice_server.config.fields import Choice, Flag, Number, Rule, Text, check_fields
 from voice_server.config.placement import Placement, check_process_placement, process_placement
+from voice_server.config.priority import check_process_nice, process_nice
 from voice_server.config.topology import check_topology, reachable_from
 from voice_server.config.twilio import TwilioConfig
 from voice_server.config.voices import VOICE_NAME_RE, VoiceConfig, check_voices, find_voice
@@ -52,6 +53,7 @@ STAGE_RULES: dict[str, Rule] = {
     "initial_chunk_frames": Number(int, minimum=1),
     "chunk_frames": Number(int, minimum=1),
     "replicas": Number(int, minimum=1, maximum=MAX_REPLICAS),
+    "nice": Number(int, minimum=-20, maximum=19),
 }
 """Scalar fields of a stage and their rules; `next`, `stream_to`, `factory_args` are checked by hand, `env`
 in `config/env.py`."""
@@ -101,6 +103,9 @@ class StageConfig:
     placement: Placement | None = None
     """With `launcher: ray`: what the node of this stage's process must offer (`config/placement.py`); None: any
     node of the cluster."""
+    nice: int = 0
+    """The CPU priority of this stage's process (Unix nice, -20..19: higher yields the CPU to the others;
+    `config/priority.py` says when it matters)."""
 
     def __post_init__(self) -> None:
         where = f"stage {quoted(self.name)}"
@@ -245,6 +250,7 @@ class PipelineConfig:
         check_topology(where, self.stages, self.entry_stage)
         check_process_env(self.stages)
         check_process_placement(self.stages, self.launcher)
+        check_process_nice(self.stages)
         if self.launcher == "ray" and self.control_transport != "tcp":
             raise fail(where, "control_transport", "must be tcp with `launcher: ray`: stages on other nodes "
                        "cannot reach this host's ipc sockets")
@@ -303,6 +309,10 @@ class PipelineConfig:
     def replicated_stages(self) -> tuple[str, ...]:
         """Stages with `replicas` > 1, in config order: the ones a request's replica plan names."""
         return tuple(s.name for s in self.stages if s.replicas > 1)
+
+    def process_nice(self, process: str) -> int:
+        """The CPU priority (`nice`) process group `process` sets at start."""
+        return process_nice(self.processes[process])
 
     def process_env(self, process: str) -> dict[str, str]:
         """The environment variables process group `process` sets at start (its stages' `env`)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from dataclasses import dataclass
 
@@ -29,6 +30,18 @@ class ProcessSpec:
     """The server's log level, so `--log-level debug` reaches the stages too."""
 
 
+def set_priority(nice: int, process: str) -> None:
+    """This process's CPU priority (the stage field `nice`, `config/priority.py`); a warning, not a failure,
+    where the process may not take it (a value below its current one, without CAP_SYS_NICE)."""
+    try:
+        if os.getpriority(os.PRIO_PROCESS, 0) != nice:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError as exc:
+        logging.getLogger(__name__).warning(
+            "stage process '%s': cannot set its priority to nice %d (%s); it runs at nice %d", process, nice,
+            exc.strerror, os.getpriority(os.PRIO_PROCESS, 0))
+
+
 def _exit_now(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -42,6 +55,7 @@ def run_stage_process(spec: ProcessSpec) -> None:
     setproctitle.setproctitle(f"voice-server[{spec.process}]")
     logging.basicConfig(level=spec.log_level, format=f"%(asctime)s [{spec.process}] %(levelname)s %(message)s")
     install_rate_limit()  # NOTE: a flood of bad messages must not flood the log
+    set_priority(spec.pipeline.process_nice(spec.process), spec.process)
     # NOTE: until the stage reports ready, SIGTERM ends the process at once (SystemExit unwinds a
     # factory that is still loading, and `close` still runs); afterwards it stops the loop cleanly.
     signal.signal(signal.SIGTERM, _exit_now)
