@@ -32,7 +32,7 @@ def test_a_bad_nice_is_refused_naming_stage_and_field(nice: Any) -> None:
 
 
 def test_stages_of_one_process_agree_on_its_priority() -> None:
-    with pytest.raises(ConfigError, match=r"stage 'b': field 'nice': 3 differs from 5 of stage 'a': both run in "
+    with pytest.raises(ConfigError, match=r"stage 'b': field 'nice': differs from the nice of stage 'a': both run in "
                                           r"process 'a', which has one priority"):
         pipeline_from_dict(config(5, 3, process_b="a"))
     assert pipeline_from_dict(config(5, 5, process_b="a")).process_nice("a") == 5

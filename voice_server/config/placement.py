@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from voice_server.config.errors import fail, quoted, show
+from voice_server.config.topology import check_group_agrees
 
 if TYPE_CHECKING:
     from voice_server.config.pipeline import StageConfig
@@ -88,17 +89,12 @@ def placement_from_dict(where: str, raw: Any) -> Placement | None:
 
 def check_process_placement(stages: Sequence[StageConfig], launcher: str) -> None:
     """Placements need the Ray launcher, and the stages of one process group must agree on theirs."""
-    seen: dict[str, tuple[str, Placement | None]] = {}
     for stage in stages:
         if stage.placement is not None and launcher != "ray":
             raise fail(f"stage {quoted(stage.name)}", "placement",
                        f"needs `launcher: ray` (the pipeline's launcher is {launcher!r}, which runs every stage "
                        "on this host)")
-        first = seen.setdefault(stage.process_name, (stage.name, stage.placement))
-        if first[1] != stage.placement:
-            raise fail(f"stage {quoted(stage.name)}", "placement",
-                       f"differs from the placement of stage {quoted(first[0])}: both run in process "
-                       f"'{stage.process_name}', which runs on one node")
+    check_group_agrees(stages, "placement", "runs on one node")
 
 
 def process_placement(stages: Sequence[StageConfig]) -> Placement:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from voice_server.config.errors import fail, quoted
+from voice_server.config.topology import check_group_agrees
 
 if TYPE_CHECKING:
     from voice_server.config.pipeline import StageConfig
@@ -28,13 +28,7 @@ __all__ = ["check_process_nice", "process_nice"]
 
 def check_process_nice(stages: Sequence[StageConfig]) -> None:
     """The stages of one process group agree on its `nice`."""
-    seen: dict[str, tuple[str, int]] = {}
-    for stage in stages:
-        first = seen.setdefault(stage.process_name, (stage.name, stage.nice))
-        if first[1] != stage.nice:
-            raise fail(f"stage {quoted(stage.name)}", "nice",
-                       f"{stage.nice} differs from {first[1]} of stage {quoted(first[0])}: both run in process "
-                       f"'{stage.process_name}', which has one priority")
+    check_group_agrees(stages, "nice", "has one priority")
 
 
 def process_nice(stages: Sequence[StageConfig]) -> int:

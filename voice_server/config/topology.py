@@ -24,6 +24,19 @@ RESERVED_PROCESS_NAMES = ("coord", "pub")
 inbox and slab owner, the broadcast socket); a stage process with one of them would collide."""
 
 
+def check_group_agrees(stages: Sequence[StageConfig], field: str, why: str) -> None:
+    """The stages of one process group share one process, so the per-process `field` must be equal among
+    them; `why` completes "which ..." in the error (what the process has one of)."""
+    seen: dict[str, tuple[str, object]] = {}
+    for stage in stages:
+        value = getattr(stage, field)
+        first = seen.setdefault(stage.process_name, (stage.name, value))
+        if first[1] != value:
+            raise fail(f"stage {quoted(stage.name)}", field,
+                       f"differs from the {field} of stage {quoted(first[0])}: both run in process "
+                       f"'{stage.process_name}', which {why}")
+
+
 def check_num_stages(where: str, num_stages: int) -> None:
     if num_stages > MAX_STAGES:
         raise fail(where, "stages", f"{num_stages} stages is more than the {MAX_STAGES} a pipeline may have")
