@@ -84,6 +84,7 @@ def test_a_complete_question_is_answered_once_from_a_speculative_start(default: 
     timings = done["timings_ms"]
     # NOTE: started at the pause, before the commit: the transcript was final before the turn ended.
     assert timings["transcript"] < 0 and timings["end_of_speech"] < 0, timings
+    assert timings["end_of_speech"] < timings["pause"] < timings["transcript"], timings
     assert timings["first_audio_sent"] <= timings["first_audible"]
     after = default.metrics()
     started = metric(after, "voice_server_speculative_responses_total", outcome="started") - metric(

@@ -64,7 +64,7 @@ __all__ = ["CONTENT_TYPE_LATEST", "ConnectionMetrics", "Metrics"]
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 _RTF_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 4.0)
-_NOT_A_STAGE = ("first_audio_sent", "first_audible", "end_of_speech")
+_NOT_A_STAGE = ("first_audio_sent", "first_audible", "end_of_speech", "pause")
 """Keys of `ResponseDone.timings_ms` measured at the session, not by a stage."""
 
 

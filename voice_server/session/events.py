@@ -122,7 +122,8 @@ class ResponseDone:
     """Each stage's first output after the response started (`submit` excluded), and at the session:
     `first_audio_sent` (the first audio byte), `first_audible` (when the client hears the first audible
     frame, `PlayoutClock`) and, for a spoken turn, `end_of_speech` (<= 0: the user's speech ended this
-    long before the response started; the reply gap a person perceives is `first_audible - end_of_speech`)."""
+    long before the response started; the reply gap a person perceives is `first_audible - end_of_speech`)
+    and, for a response started speculatively, `pause` (<= 0: when it started, at the user's pause)."""
     error: str = ""
     usage: dict[str, int] = field(default_factory=dict)
     """Token counts the pipeline reported, as far as it did (`ResponseRun.usage`)."""

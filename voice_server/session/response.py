@@ -111,6 +111,9 @@ class ResponseRun:
     def speculate(self) -> None:
         """The turn's input ended at a pause the turn may not end at: run on, but keep what comes back."""
         self.opened_at, self.is_held = time.monotonic(), True
+        # NOTE: in `timings_ms` (negative): where a reply's wait went before the commit (the pause, then the
+        # stages' first outputs) is what a slow turn needs explained.
+        self._stamps.setdefault("pause", self.opened_at)
 
     def hold(self) -> None:
         """Keep what comes back from here on until `release` (speech over the reply, to be judged)."""
