@@ -13,11 +13,15 @@ streams them. Each setting decodes every item on one decoder (one thread), in tu
 setting's starting cepstral mean, twice; the table has the faster pass (this VM's neighbours are
 noisy). WER is over the items' words (`tests/speech_text.py`'s normalisation), clean and noisy apart.
 
-Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py
+`--search`: instead, PocketSphinx's other search bounds on top of the stage's default (phonetic lookahead,
+Gaussians per frame, beams, frame skipping, words per frame), passed to its `Decoder` as they are.
+
+Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py [--search]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -46,6 +50,17 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "maxhmmpf 3000, speech CMN (the stage's default now)": {},
     "maxhmmpf 2000, speech CMN": {"max_hmms_per_frame": 2000},
 }
+SEARCH_SETTINGS: dict[str, dict[str, float]] = {
+    "the stage's default": {},
+    "pl_window 10": {"pl_window": 10},
+    "pl_window 0": {"pl_window": 0},
+    "topn 2": {"topn": 2},
+    "beam 1e-40, wbeam 1e-24": {"beam": 1e-40, "wbeam": 1e-24},
+    "pbeam 1e-40": {"pbeam": 1e-40},
+    "ds 2": {"ds": 2},
+    "maxwpf 10": {"maxwpf": 10},
+}
+"""`--search`: PocketSphinx arguments on top of the stage's default `DecoderOptions`."""
 CHUNK = 320  # NOTE: 20 ms at 16 kHz, as a session streams a turn
 
 
@@ -64,8 +79,9 @@ def decode(decoder: Any, options: DecoderOptions, item: Item) -> tuple[str, floa
     return (hyp.hypstr if hyp is not None else ""), fed - start, time.process_time() - fed
 
 
-def measure(name: str, options: DecoderOptions, items: list[Item]) -> dict[str, Any]:
-    decoder = build_decoder(options)
+def measure(name: str, options: DecoderOptions, items: list[Item], search: dict[str, float] | None = None,
+            ) -> dict[str, Any]:
+    decoder = build_decoder(options, **(search or {}))
     best: tuple[float, list[float]] | None = None
     for _ in range(2):
         results = [decode(decoder, options, item) for item in items]
@@ -83,11 +99,17 @@ def measure(name: str, options: DecoderOptions, items: list[Item]) -> dict[str, 
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--search", action="store_true", help="PocketSphinx's other search bounds instead")
+    args = parser.parse_args()
     items = [item for category, count in (("complete", 12), ("barge_in", 10), ("hesitation", 10), ("prompt", 6))
              for item in make_items(category, count)]
     items = [Item(i.category, i.name.replace(",", ""), i.audio, i.speech, None, i.speed, i.level_db, i.snr_db)
              for i in items]
-    rows = [measure(name, DecoderOptions(**fields), items) for name, fields in SETTINGS.items()]
+    if args.search:
+        rows = [measure(name, DecoderOptions(), items, search) for name, search in SEARCH_SETTINGS.items()]
+    else:
+        rows = [measure(name, DecoderOptions(**fields), items) for name, fields in SETTINGS.items()]
     base = rows[0]["rtf"]
     for row in rows:
         row["rtf_vs_defaults"] = row["rtf"] / base

@@ -100,10 +100,11 @@ def model_paths() -> dict[str, str]:
             "dict": os.path.join(root, "cmudict-en-us.dict")}
 
 
-def build_decoder(options: DecoderOptions) -> Decoder:
+def build_decoder(options: DecoderOptions, **search: float) -> Decoder:
+    """A decoder of `options`; `search`: further PocketSphinx arguments as they are (`loadtest/bench_asr.py`)."""
     # NOTE: loglevel ERROR: at INFO PocketSphinx writes hundreds of lines per decoder to the stage's stderr.
     return Decoder(**model_paths(), samprate=SAMPLING_RATE, fwdflat=options.is_fwdflat,
-                   maxhmmpf=options.max_hmms_per_frame, loglevel="ERROR")
+                   maxhmmpf=options.max_hmms_per_frame, loglevel="ERROR", **search)
 
 
 class SphinxRecognizer:
