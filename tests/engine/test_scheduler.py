@@ -84,3 +84,69 @@ def test_failed_batch_retries_each_request_alone_and_errors_only_the_culprit() -
     solo_c = sched.schedule(now=0)
     assert solo_c is not None and [w.request_id for w in solo_c.items] == ["c"]
     assert sched.active_request_ids == {"c"}
+
+
+def ids(batch: object) -> list[tuple[str, WorkKind]]:
+    assert batch is not None
+    return [(w.request_id, w.kind) for w in batch.items]  # type: ignore[attr-defined]
+
+
+def test_first_output_urgent_serves_requests_that_have_emitted_nothing_yet() -> None:
+    sched = SimpleScheduler(max_batch_size=1, is_first_output_urgent=True)
+    sched.add(new("a"), now=0)
+    sched.add(chunk("a", 0), now=0)
+    assert ids(batch := sched.schedule(now=0)) == [("a", WorkKind.NEW)]
+    sched.update(batch, SimpleResult(()))  # type: ignore[arg-type]
+    assert ids(batch := sched.schedule(now=0)) == [("a", WorkKind.CHUNK)]
+    # NOTE: a's first clause goes out; its later text is queued, then b arrives with nothing out yet.
+    sched.update(batch, SimpleResult((Emit("a", EmitKind.STREAM, {"pcm": 0}),)))  # type: ignore[arg-type]
+    for seq in (1, 2):
+        sched.add(chunk("a", seq), now=0)
+    sched.add(new("b"), now=0)
+    sched.add(chunk("b", 0), now=0)
+    sched.add(chunk("b", 1), now=0)
+    order: list[tuple[str, WorkKind]] = []
+    while (batch := sched.schedule(now=0)) is not None:
+        order += ids(batch)
+        is_b_first_clause = len(order) == 2  # b's first chunk completes its first clause
+        sched.update(batch, SimpleResult((Emit("b", EmitKind.STREAM, {"pcm": 0}),) if is_b_first_clause else ()))
+    # NOTE: b until its first output, then arrival order again (a's backlog before b's rest).
+    assert order == [("b", WorkKind.NEW), ("b", WorkKind.CHUNK), ("a", WorkKind.CHUNK), ("a", WorkKind.CHUNK),
+                     ("b", WorkKind.CHUNK)]
+
+
+def test_first_output_urgent_forgets_finished_and_aborted_requests() -> None:
+    sched = SimpleScheduler(max_batch_size=4, batch_window_s=10.0, is_first_output_urgent=True)
+    sched.add(new("a"), now=0)
+    assert sched.next_wakeup(now=0) == 0.0  # a request with nothing out yet does not wait out the window
+    batch = sched.schedule(now=0)
+    assert ids(batch) == [("a", WorkKind.NEW)]
+    sched.update(batch, SimpleResult((Emit("a", EmitKind.STREAM, {"pcm": 0}), Emit("a", EmitKind.RESULT))))
+    sched.add(new("b"), now=0)
+    assert sched.abort("b")
+    assert sched.schedule(now=0) is None and sched.next_wakeup(now=0) is None
+    assert sched.active_request_ids == set() and not sched._started
+
+
+def test_arrival_order_without_first_output_urgency() -> None:
+    sched = SimpleScheduler(max_batch_size=1)
+    sched.add(new("a"), now=0)
+    batch = sched.schedule(now=0)
+    sched.update(batch, SimpleResult((Emit("a", EmitKind.STREAM, {"pcm": 0}),)))  # type: ignore[arg-type]
+    sched.add(chunk("a", 0), now=0)
+    sched.add(new("b"), now=0)
+    assert ids(sched.schedule(now=0)) == [("a", WorkKind.CHUNK)]
+    assert ids(sched.schedule(now=0)) == [("b", WorkKind.NEW)]
+
+
+def test_the_talker_serves_first_clauses_first() -> None:
+    from voice_server.config import StageConfig
+    from voice_server.runners.asr_runner import AsrRunner
+    from voice_server.runners.tts_runner import TTSRunner
+    from voice_server.scheduling import SCHEDULER_BUILDERS
+
+    stage = StageConfig(name="s", factory="m:f", max_batch_size=4)
+    talker = SCHEDULER_BUILDERS["simple"](stage, TTSRunner.__new__(TTSRunner))
+    asr = SCHEDULER_BUILDERS["simple"](stage, AsrRunner.__new__(AsrRunner))
+    assert isinstance(talker, SimpleScheduler) and talker.is_first_output_urgent
+    assert isinstance(asr, SimpleScheduler) and not asr.is_first_output_urgent

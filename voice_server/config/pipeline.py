@@ -50,6 +50,7 @@ STAGE_RULES: dict[str, Rule] = {
     "batch_window_ms": Number(float, minimum=0.0),
     "max_step_tokens": Number(int, minimum=1),
     "prefix_cache": Flag(),
+    "speech_lead_s": Number(float, minimum=0.0),
     "initial_chunk_frames": Number(int, minimum=1),
     "chunk_frames": Number(int, minimum=1),
     "replicas": Number(int, minimum=1, maximum=MAX_REPLICAS),
@@ -88,6 +89,10 @@ class StageConfig:
     """`ar` stages: most tokens one step computes (decode tokens plus prefill chunks)."""
     prefix_cache: bool = True
     """`ar` stages: reuse the KV pages of a prompt prefix another request already computed."""
+    speech_lead_s: float = 0.0
+    """`ar` stages whose text becomes speech: a request this many seconds of speech ahead of its listener sits
+    out steps while another request has no output yet or less than that ahead
+    (`voice_server/scheduling/speech_lead.py`); 0: off."""
     initial_chunk_frames: int = 2
     """`code2wav` stages: codec frames in a stream's first vocoder chunk (small: first audio sooner)."""
     chunk_frames: int = 10

@@ -91,6 +91,9 @@ class _Speech:
 
 
 class TTSRunner(Runner[SimpleBatch, SimpleResult]):
+    is_first_output_urgent = True
+    """A reply's first clause is what its listener waits for; the later ones are ahead of the playout."""
+
     def __init__(self, engine: Synthesizer, config: TTSRunnerConfig | None = None) -> None:
         rate = engine.sample_rate
         if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 48000:

@@ -30,7 +30,8 @@ AnyRunner = Runner[Any, Any]
 
 
 def _build_simple(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
-    return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0)
+    return SimpleScheduler(stage.max_batch_size, stage.batch_window_ms / 1000.0,
+                           is_first_output_urgent=runner.is_first_output_urgent)
 
 
 def _build_ar(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
@@ -41,7 +42,7 @@ def _build_ar(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:
             f"{type(runner).__name__} has {type(spec).__name__}"
         )
     is_cached = stage.prefix_cache and spec.is_prefix_cacheable
-    return ARScheduler(spec, stage.max_batch_size, stage.max_step_tokens, is_cached)
+    return ARScheduler(spec, stage.max_batch_size, stage.max_step_tokens, is_cached, stage.speech_lead_s)
 
 
 def _build_code2wav(stage: StageConfig, runner: AnyRunner) -> AnyScheduler:

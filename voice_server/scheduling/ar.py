@@ -7,6 +7,9 @@ slots, budget and pages for their first chunk, skipping the full pages the prefi
 Pages are allocated as chunks need them; when they run out, the most recently admitted running
 request is preempted by recompute: it drops its pages and goes back to the front of the queue
 with its output, which is recomputed on resume (so it continues with the same tokens).
+
+With `speech_lead_s` (a stage whose text becomes speech), requests that are that far ahead of their
+listeners sit out the steps while another request is behind (`speech_lead.py`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from voice_server.scheduling.base import BaseScheduler, Emit, EmitKind, WorkItem
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
 from voice_server.scheduling.pages import PageAllocator, PageKey, PrefixCache
 from voice_server.scheduling.solo import SoloQueue
+from voice_server.scheduling.speech_lead import SpeechLead
 
 
 class ARScheduler(BaseScheduler[ARBatch, ARResult]):
-    def __init__(self, spec: ARSpec, max_batch_size: int, max_step_tokens: int, prefix_cache: bool = True) -> None:
+    def __init__(self, spec: ARSpec, max_batch_size: int, max_step_tokens: int, prefix_cache: bool = True,
+                 speech_lead_s: float = 0.0) -> None:
         if max_batch_size < 1 or max_step_tokens < 1:
             raise ValueError(f"max_batch_size and max_step_tokens must be >= 1, got {max_batch_size} and "
                              f"{max_step_tokens}")
@@ -39,6 +44,9 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         self._is_stalled = False
         """The last `schedule` found nothing it could run; only new input or an exit changes that."""
         self.num_preemptions = 0
+        self._lead = SpeechLead(speech_lead_s) if speech_lead_s else None
+        self.num_lead_skips = 0
+        """Request steps sat out by requests ahead of their listeners (`speech_lead_s`)."""
         self._suspects: SoloQueue[str] = SoloQueue(lambda request_id: request_id)
         """Members of a step that raised, each to run one step alone before anything else (ids of requests
         that left since are skipped when their turn comes)."""
@@ -83,13 +91,29 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         solo = self._schedule_suspect()
         if solo is not None:
             return solo
+        ahead: set[Request] = set()
+        if self._lead is not None:
+            is_admitting = len(self._running) < self.max_batch_size and any(
+                r.num_ready_target_tokens > 0 for r in self._waiting)
+            ahead = self._lead.ahead(self._running, is_admitting, now)
+        batch = self._plan(ahead)
+        if batch is None and ahead:
+            batch = self._plan(set())  # NOTE: those behind could not run (no pages): nobody sits out
+        elif batch is not None:
+            self.num_lead_skips += len(ahead)
+        self._is_stalled = batch is None
+        return batch
+
+    def _plan(self, ahead: set[Request]) -> ARBatch | None:
+        """This step's batch with the requests in `ahead` left out."""
         budget = self.max_step_tokens
         chunks: dict[str, int] = {}
         """Request id -> tokens to compute this step, in batch order."""
         is_preempted = False
         # NOTE: decodes first (a token each keeps every stream moving), then prefill chunks FCFS.
-        order = [r for r in self._running if r.num_ready_tokens == 1]
-        order += [r for r in self._running if r.num_ready_tokens > 1]
+        running = [r for r in self._running if r not in ahead]
+        order = [r for r in running if r.num_ready_tokens == 1]
+        order += [r for r in running if r.num_ready_tokens > 1]
         for request in order:
             if request not in self._running:
                 continue  # preempted for an earlier request of this step
@@ -115,7 +139,6 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
             # preempted for lack of pages, readmitting it would only thrash.
             budget = self._admit(budget, chunks)
         batch = ARBatch(tuple(self._seq(self._requests[rid], num) for rid, num in chunks.items()))
-        self._is_stalled = not batch.seqs
         return batch if batch.seqs else None
 
     def _schedule_suspect(self) -> ARBatch | None:
@@ -287,6 +310,7 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
             "num_running": len(self._running),
             "num_waiting": len(self._waiting),
             "num_preemptions": self.num_preemptions,
+            "num_lead_skips": self.num_lead_skips,
             "num_prefix_hit_tokens": self.cache.num_hit_tokens,
             "num_prefix_query_tokens": self.cache.num_query_tokens,
         }

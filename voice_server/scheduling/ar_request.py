@@ -34,6 +34,8 @@ class Request:
     num_cacheable_tokens: int | None = None
     """Leading tokens whose ids alone determine their keys/values (None: all). Tokens past it (audio
     placeholders, whose embeddings come from the audio) never hit or fill the prefix cache."""
+    first_output_at: float | None = None
+    """When the scheduler first saw an output of this request (`SpeechLead`); None before."""
     tools: ToolCallGate | None = None
     """Cuts tool calls out of the stream when the request offers tools (`params.tools`); None: off."""
 

@@ -83,6 +83,10 @@ class Runner(ABC, Generic[BatchT, ResultT]):
     (e.g. the conversation the asr stage hands the thinker, which the client already has). `_`-keys never
     reach the client either (streamed to `stream_to` stages only)."""
 
+    is_first_output_urgent: bool = False
+    """Under the `simple` scheduler: requests that have emitted nothing yet are served before the rest
+    (`SimpleScheduler`); a talker's, whose first output is what a listener waits for."""
+
     def admit(self, item: WorkItem) -> WorkItem:
         """Check and convert one inbox item before the scheduler sees it (e.g. messages -> token
         ids). Raise `AdmissionError` (or `ValueError`) to refuse the request alone."""
