@@ -26,6 +26,12 @@ def test_backchannels_are_not_content_words(words: str, num: int) -> None:
     (300, "yeah", 0, 1.0, Verdict.DISMISSED),  # NOTE: nothing confirmed within max_wait_ms
     (300, "yeah", 0, 0.5, None),  # NOTE: still open
     (640, "", 300, 0.7, Verdict.CONFIRMED),  # NOTE: confirmation wins over a pause seen at the same moment
+    (300, "Wait,", 300, 0.5, Verdict.CONFIRMED),  # NOTE: one word asking to stop, its comma's pause long
+    (300, "stop", 0, 0.3, Verdict.CONFIRMED),
+    (300, "waiter", 0, 0.3, None),  # NOTE: whole words only
+    (300, "feel", 300, 0.5, None),  # NOTE: one content word ("Wait," misheard) waits for the rest...
+    (300, "feel", 300, 1.0, Verdict.DISMISSED),  # NOTE: ...up to max_wait_ms
+    (300, "", 300, 0.5, Verdict.DISMISSED),  # NOTE: no word it is sure of (a cough, a misheard "uh huh")
 ])
 def test_the_verdict(speech_ms: int, words: str, silence_ms: int, after_s: float, verdict: Verdict | None) -> None:
     assert judge(PENDING, RULES, speech_ms=speech_ms, words=words, silence_ms=silence_ms,

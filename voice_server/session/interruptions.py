@@ -5,12 +5,15 @@ People talk over a speaker all the time without taking the turn: "uh huh", "yeah
 laugh. A voice agent that stops for each of these feels broken (peers' users' top complaint), one that
 never stops feels deaf. So speech over a reply pauses it at once and is then judged:
 
-- confirmed, the reply is cut: `min_words` recognised words that are not backchannels (where the
-  pipeline transcribes while the user speaks: the final transcript at the speaker's first pause, only
-  the words the recogniser is sure of), or `min_speech_ms` of speech (VAD windows);
+- confirmed, the reply is cut: `min_words` recognised words that are not backchannels, or one word that
+  asks the speaker to stop (`STOP_WORDS`) (where the pipeline transcribes while the user speaks: the final
+  transcript at the speaker's first pause, only the words the recogniser is sure of), or `min_speech_ms` of
+  speech (VAD windows);
 - dismissed, the reply resumes: the speaker fell silent first, for `dismiss_silence_ms` (a backchannel is
-  short; "Sorry, can you..." pauses at its comma and goes on) and the pause's words are in, or nothing
-  was confirmed within `max_wait_ms` of the onset.
+  short; "Sorry, can you..." pauses at its comma and goes on), the pause's words are in and none of them
+  is a content word, or nothing was confirmed within `max_wait_ms` of the onset. One content word waits
+  for the rest: the recogniser hears the "Wait," of "Wait, stop, I have another question." as "feel",
+  and dismissing it at its comma resumed the reply for ~0.4 s before "stop" paused it again.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from voice_server.session.response import ResponseRun
 
-__all__ = ["BACKCHANNELS", "Interruption", "InterruptionRules", "Verdict", "judge", "num_content_words"]
+__all__ = ["BACKCHANNELS", "STOP_WORDS", "Interruption", "InterruptionRules", "Verdict", "judge", "num_content_words"]
 
 BACKCHANNELS = frozenset([
     "uh", "huh", "uhhuh", "mm", "mhm", "mmhmm", "hm", "hmm", "um", "ah", "oh", "yeah", "yes", "yep", "ya", "yup",
@@ -28,6 +31,9 @@ BACKCHANNELS = frozenset([
     "exactly", "nice", "indeed",
 ])
 """What a listener says to keep the speaker going; none of them counts toward `min_words`."""
+
+STOP_WORDS = frozenset(["wait", "stop", "pause"])
+"""Words that ask the speaker to stop: one alone confirms ("Wait," then a comma's pause)."""
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,13 @@ class Interruption:
     """The response held while generating; None when it had finished and only played at the client."""
 
 
+def _words(transcript: str) -> list[str]:
+    return [word.strip(".,!?;:\"") for word in transcript.lower().replace("-", "").replace("'", "").split()]
+
+
 def num_content_words(transcript: str) -> int:
     """Words that are not backchannels ("uh huh yeah" has none, "wait stop" two)."""
-    words = transcript.lower().replace("-", "").replace("'", "").split()
-    return sum(1 for word in words if word.strip(".,!?;:\"") not in BACKCHANNELS)
+    return sum(1 for word in _words(transcript) if word not in BACKCHANNELS)
 
 
 def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, words: str, silence_ms: int,
@@ -75,10 +84,11 @@ def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, wo
     """The verdict on `pending` so far (`silence_ms`: how long the speaker has been silent, 0 while they
     speak; `is_words_pending`: the recogniser is still transcribing up to the pause), or None while it
     is still open."""
-    if num_content_words(words) >= rules.min_words or speech_ms >= rules.min_speech_ms:
+    if (num_content_words(words) >= rules.min_words or not STOP_WORDS.isdisjoint(_words(words))
+            or speech_ms >= rules.min_speech_ms):
         return Verdict.CONFIRMED
     if (now - pending.started_at) * 1000.0 >= rules.max_wait_ms:
         return Verdict.DISMISSED
-    if silence_ms >= rules.dismiss_silence_ms and not is_words_pending:
+    if silence_ms >= rules.dismiss_silence_ms and not is_words_pending and num_content_words(words) == 0:
         return Verdict.DISMISSED
     return None
