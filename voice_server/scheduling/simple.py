@@ -62,12 +62,12 @@ class SimpleScheduler(BaseScheduler[SimpleBatch, SimpleResult]):
         solo = self._solo.pop()
         if solo is not None:
             return SimpleBatch(tuple(solo))
-        wait = self.next_wakeup(now)
-        if wait is None or wait > 0:
-            return None
         urgent = self._urgent()
         if urgent:
             return self._take(urgent)
+        wait = self.next_wakeup(now)
+        if wait is None or wait > 0:
+            return None
         num = min(self.max_batch_size, len(self._queue))
         return SimpleBatch(tuple(self._queue.popleft()[1] for _ in range(num)))
 

@@ -84,11 +84,12 @@ def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, wo
     """The verdict on `pending` so far (`silence_ms`: how long the speaker has been silent, 0 while they
     speak; `is_words_pending`: the recogniser is still transcribing up to the pause), or None while it
     is still open."""
-    if (num_content_words(words) >= rules.min_words or not STOP_WORDS.isdisjoint(_words(words))
-            or speech_ms >= rules.min_speech_ms):
+    said = _words(words)
+    num_content = sum(1 for word in said if word not in BACKCHANNELS)
+    if num_content >= rules.min_words or not STOP_WORDS.isdisjoint(said) or speech_ms >= rules.min_speech_ms:
         return Verdict.CONFIRMED
     if (now - pending.started_at) * 1000.0 >= rules.max_wait_ms:
         return Verdict.DISMISSED
-    if silence_ms >= rules.dismiss_silence_ms and not is_words_pending and num_content_words(words) == 0:
+    if silence_ms >= rules.dismiss_silence_ms and not is_words_pending and num_content == 0:
         return Verdict.DISMISSED
     return None
