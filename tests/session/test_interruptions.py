@@ -23,7 +23,7 @@ def test_backchannels_are_not_content_words(words: str, num: int) -> None:
     (640, "", 0, 0.7, Verdict.CONFIRMED),  # NOTE: enough speech confirms without a transcript
     (300, "uh huh", 256, 0.6, Verdict.DISMISSED),  # NOTE: a backchannel falls silent first
     (300, "sorry", 96, 0.4, None),  # NOTE: a comma's pause inside an interruption: still open
-    (300, "yeah", 0, 1.0, Verdict.DISMISSED),  # NOTE: nothing confirmed within max_wait_ms
+    (300, "yeah", 0, 2.0, Verdict.DISMISSED),  # NOTE: nothing confirmed within twice max_wait_ms
     (300, "yeah", 0, 0.5, None),  # NOTE: still open
     (640, "", 300, 0.7, Verdict.CONFIRMED),  # NOTE: confirmation wins over a pause seen at the same moment
     (300, "Wait,", 300, 0.5, Verdict.CONFIRMED),  # NOTE: one word asking to stop, its comma's pause long
@@ -45,6 +45,18 @@ def test_a_silence_waits_for_the_words_on_their_way_but_not_past_max_wait() -> N
     assert judge(PENDING, RULES, speech_ms=300, words="wait stop", silence_ms=320, now=at + 0.62) is Verdict.CONFIRMED
     assert judge(PENDING, RULES, speech_ms=300, words="", silence_ms=700, now=at + 1.0,
                  is_words_pending=True) is Verdict.DISMISSED
+
+
+def test_max_wait_dismisses_at_a_pause_not_mid_speech() -> None:
+    """Past max_wait_ms, speech that goes on is not dismissed: "Wait, stop, I have..." heard as "we got",
+    dismissed in its second comma's pause, resumed the reply for 60 ms before "I have" paused it again."""
+    at = PENDING.started_at
+    assert judge(PENDING, RULES, speech_ms=576, words="we got", silence_ms=160, now=at + 1.0) is None
+    assert judge(PENDING, RULES, speech_ms=608, words="", silence_ms=0, now=at + 1.1) is Verdict.CONFIRMED
+    assert judge(PENDING, RULES, speech_ms=576, words="we got", silence_ms=256, now=at + 1.1) is Verdict.DISMISSED
+    # NOTE: nothing holds a reply past twice max_wait_ms (noise hovering at the VAD's threshold)
+    assert judge(PENDING, RULES, speech_ms=320, words="", silence_ms=0, now=at + 1.9) is None
+    assert judge(PENDING, RULES, speech_ms=320, words="", silence_ms=0, now=at + 2.0) is Verdict.DISMISSED
 
 
 @pytest.mark.parametrize("kwargs", [{"min_words": 0}, {"min_speech_ms": -1}, {"max_wait_ms": 50.0}])

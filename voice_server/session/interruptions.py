@@ -11,7 +11,11 @@ never stops feels deaf. So speech over a reply pauses it at once and is then jud
   speech (VAD windows);
 - dismissed, the reply resumes: the speaker fell silent first, for `dismiss_silence_ms` (a backchannel is
   short; "Sorry, can you..." pauses at its comma and goes on), the pause's words are in and none of them
-  is a content word, or nothing was confirmed within `max_wait_ms` of the onset. One content word waits
+  is a content word, or nothing was confirmed within `max_wait_ms` of the onset and the speaker then
+  pauses for `dismiss_silence_ms` (or nothing within twice that: noise hovering at the VAD's threshold
+  holds no reply longer). Not at `max_wait_ms` itself: "Wait, stop, I have..." heard as "we got" (one
+  content word) was dismissed in its second comma's pause, 1 s in, and paused again 60 ms later; speech
+  that goes on confirms by its length instead. One content word waits
   for the rest: the recogniser hears the "Wait," of "Wait, stop, I have another question." as "feel",
   and dismissing it at its comma resumed the reply for ~0.4 s before "stop" paused it again.
 """
@@ -88,8 +92,10 @@ def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, wo
     num_content = sum(1 for word in said if word not in BACKCHANNELS)
     if num_content >= rules.min_words or not STOP_WORDS.isdisjoint(said) or speech_ms >= rules.min_speech_ms:
         return Verdict.CONFIRMED
-    if (now - pending.started_at) * 1000.0 >= rules.max_wait_ms:
+    waited_ms = (now - pending.started_at) * 1000.0
+    is_pause = silence_ms >= rules.dismiss_silence_ms
+    if waited_ms >= 2 * rules.max_wait_ms or (waited_ms >= rules.max_wait_ms and is_pause):
         return Verdict.DISMISSED
-    if silence_ms >= rules.dismiss_silence_ms and not is_words_pending and num_content == 0:
+    if is_pause and not is_words_pending and num_content == 0:
         return Verdict.DISMISSED
     return None
