@@ -16,7 +16,10 @@ noisy). WER is over the items' words (`tests/speech_text.py`'s normalisation), c
 `--search`: instead, PocketSphinx's other search bounds on top of the stage's default (phonetic lookahead,
 Gaussians per frame, beams, frame skipping, words per frame), passed to its `Decoder` as they are.
 
-Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py [--search]
+`--narrowband`: instead, the same items as a phone call brings them (8 kHz u-law, back up to 16 kHz as a
+session resamples them) from the speech and the narrowband starting means, beside the 16 kHz items.
+
+Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py [--search | --narrowband]
 """
 
 from __future__ import annotations
@@ -37,8 +40,15 @@ from speech_text import word_error_rate  # noqa: E402
 from table import cpu_description, format_table  # noqa: E402
 from turntaking_set import Item, make_items  # noqa: E402
 
-from voice_server.audio import float32_to_pcm16  # noqa: E402
-from voice_server.runners.asr_decoders import DecoderOptions, build_decoder  # noqa: E402
+from voice_server.audio import (  # noqa: E402
+    StreamResampler,
+    float32_to_pcm16,
+    pcm16_to_float32,
+    resample_signal,
+    ulaw_decode,
+    ulaw_encode,
+)
+from voice_server.runners.asr_decoders import NARROWBAND_CMN, DecoderOptions, build_decoder  # noqa: E402
 
 GENERIC_CMN = "40,3,-1,0,0,0,0,0,0,0,0,0,0"
 """PocketSphinx's own starting cepstral mean (`cmninit`), where the asr stage started every utterance before."""
@@ -98,15 +108,29 @@ def measure(name: str, options: DecoderOptions, items: list[Item], search: dict[
             "num_items": len(items)}
 
 
+def by_phone(item: Item) -> Item:
+    """`item` as a call brings it: 8 kHz u-law, then 16 kHz again (nothing above 4 kHz)."""
+    codes = ulaw_encode(float32_to_pcm16(resample_signal(item.audio, 16000, 8000)))
+    audio = StreamResampler(8000, 16000).process(pcm16_to_float32(ulaw_decode(codes)))
+    return Item(item.category, item.name, audio, item.speech, item.pause, item.speed, item.level_db, item.snr_db)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--search", action="store_true", help="PocketSphinx's other search bounds instead")
+    parser.add_argument("--narrowband", action="store_true", help="8 kHz u-law items from both starting means")
     args = parser.parse_args()
     items = [item for category, count in (("complete", 12), ("barge_in", 10), ("hesitation", 10), ("prompt", 6))
              for item in make_items(category, count)]
     items = [Item(i.category, i.name.replace(",", ""), i.audio, i.speech, None, i.speed, i.level_db, i.snr_db)
              for i in items]
-    if args.search:
+    if args.narrowband:
+        phoned = [by_phone(item) for item in items]
+        rows = [measure("16 kHz, speech CMN", DecoderOptions(), items),
+                measure("8 kHz u-law, speech CMN (the stage before)", DecoderOptions(), phoned),
+                measure("8 kHz u-law, narrowband CMN (source_rate 8000)", DecoderOptions(initial_cmn=NARROWBAND_CMN),
+                        phoned)]
+    elif args.search:
         rows = [measure(name, DecoderOptions(), items, search) for name, search in SEARCH_SETTINGS.items()]
     else:
         rows = [measure(name, DecoderOptions(**fields), items) for name, fields in SETTINGS.items()]

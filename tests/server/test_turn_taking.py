@@ -25,7 +25,7 @@ import pytest
 from harness import Pipeline
 from live_server import metric
 from session_server import SessionServer, serve
-from speech_text import ASR_RATE, hesitant_speech, speech, word_error_rate
+from speech_text import ASR_RATE, SENTENCES, hesitant_speech, speech, word_error_rate
 from test_default_pipeline import say
 from test_twilio_ws import Calls
 from twilio_phone import Phone, ulaw_of
@@ -33,7 +33,7 @@ from websockets.sync.client import ClientConnection, connect
 
 from voice_server.audio import float32_to_pcm16, pcm16_to_bytes
 from voice_server.config.loading import load_pipeline
-from voice_server.session.events import ResponsePaused, ResponseResumed, SpeechStarted
+from voice_server.session.events import InputTranscriptDone, ResponsePaused, ResponseResumed, SpeechStarted
 from voice_server.session.twilio.settings import TwilioSettings
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
@@ -326,4 +326,19 @@ def test_a_phone_reply_is_held_from_the_first_window_of_speech_over_it(default: 
     assert isinstance(held, ResponsePaused) and held.is_tentative, holds
     assert isinstance(paused, ResponsePaused) and not paused.is_tentative, holds
     assert 0.01 <= paused_at - held_at <= 0.5, paused_at - held_at
+    default.wait_idle(timeout=15)
+
+
+def test_a_phone_turn_is_transcribed_as_8_khz_speech(default: SessionServer) -> None:
+    """A call's audio reaches the recogniser at 16 kHz with nothing above 4 kHz; the session says it came at
+    8 kHz (`source_rate`), and the asr stage hears it from its narrowband starting point (without: "hm")."""
+    calls = Calls()
+    default.app.state.twilio = TwilioSettings(listener=calls)
+    phone = Phone(default.port)
+    phone.start()
+    text = SENTENCES[1]
+    phone.talk(ulaw_of(speech(text, silence_s=0.2)), until=lambda: bool(calls.of(phone, InputTranscriptDone)))
+    phone.stop()
+    [(_, done)] = calls.of(phone, InputTranscriptDone)
+    assert word_error_rate(text, done.transcript) <= 0.35, done.transcript
     default.wait_idle(timeout=15)

@@ -42,6 +42,16 @@ was trained with per-utterance (batch) means; decoding live, PocketSphinx starts
 catches up: word error rate in noise 0.64 from there, 0.34 from this, clean 0.21 and 0.13, on the
 turn-taking set (`loadtest/bench_asr.py`, docs/BENCHMARKS.md)."""
 
+NARROWBAND_CMN = "49.7,29.0,-44.4,40.5,-27.4,-0.8,17.3,-23.3,25.6,-15.2,-0.6,11.4,-15.3"
+"""The same mean over the same kind of sentences sent as a phone sends them: 8 kHz u-law, back up at 16 kHz.
+The model's filterbank reaches 6.8 kHz and such audio has nothing above 4 kHz: its upper filters sit at
+their floor, which shifts every cepstral coefficient (by up to 45). Live CMN removes that shift only once
+its mean has caught up, long after a turn is over: from `SPEECH_CMN` "What is the capital of France?" was
+heard as "what what". Word error rate on the turn-taking set from `SPEECH_CMN`: clean 0.96, in noise 0.95;
+from this, 0.34 and 0.56 (16 kHz speech from `SPEECH_CMN`: 0.13 and 0.34; `loadtest/bench_asr.py --narrowband`)."""
+NARROWBAND_MAX_RATE = 8000
+"""A source captured at this rate or lower is narrowband (`start(is_narrowband=True)`)."""
+
 
 MIN_WORD_POSTERIOR = 0.05
 """A word of the final hypothesis at least this probable (its lattice posterior) is one the recogniser is
@@ -74,7 +84,9 @@ class DecoderOptions:
     ~50 ms to `end_utt` (on the first-audio path) for no measured gain in word error rate here."""
 
     initial_cmn: str = SPEECH_CMN
-    """Every utterance's starting cepstral mean (13 comma-separated numbers)."""
+    """Every utterance's starting cepstral mean (13 comma-separated numbers)..."""
+    narrowband_cmn: str = NARROWBAND_CMN
+    """...and that of an utterance captured at 8 kHz (`NARROWBAND_MAX_RATE`)."""
     max_hmms_per_frame: int = 3000
     """PocketSphinx's `maxhmmpf`: the search keeps at most this many active HMMs per frame. Its own default
     (30000) costs ~0.24 s of CPU per second of speech; 3000 about 0.12 s, for +0.02 word error rate in
@@ -84,10 +96,11 @@ class DecoderOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.is_fwdflat, bool):
             raise ValueError(f"DecoderOptions.is_fwdflat: must be a bool, got {self.is_fwdflat!r}")
-        parts = self.initial_cmn.split(",") if isinstance(self.initial_cmn, str) else []
-        if len(parts) != 13 or not all(_is_number(p) for p in parts):
-            raise ValueError(f"DecoderOptions.initial_cmn: must be 13 comma-separated numbers, "
-                             f"got {self.initial_cmn!r}")
+        for name in ("initial_cmn", "narrowband_cmn"):
+            cmn = getattr(self, name)
+            parts = cmn.split(",") if isinstance(cmn, str) else []
+            if len(parts) != 13 or not all(_is_number(p) for p in parts):
+                raise ValueError(f"DecoderOptions.{name}: must be 13 comma-separated numbers, got {cmn!r}")
         value = self.max_hmms_per_frame
         if isinstance(value, bool) or not isinstance(value, int) or value < 100:
             raise ValueError(f"DecoderOptions.max_hmms_per_frame: must be an integer >= 100, got {value!r}")
@@ -110,16 +123,17 @@ def build_decoder(options: DecoderOptions, **search: float) -> Decoder:
 class SphinxRecognizer:
     """One PocketSphinx decoder as a `Recognizer`: each chunk is decoded as it is fed."""
 
-    def __init__(self, decoder: Decoder, initial_cmn: str) -> None:
+    def __init__(self, decoder: Decoder, options: DecoderOptions) -> None:
         self.decoder = decoder
-        self._initial_cmn = initial_cmn
+        self.options = options
         self._words: list[tuple[str, float]] | None = None
         """The last finished utterance's words and posteriors, once asked for (`_final_words`)."""
 
-    def start(self) -> None:
+    def start(self, is_narrowband: bool = False) -> None:
         # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next;
         # starting every utterance from the same estimate keeps transcripts independent of history.
-        self.decoder.set_cmn(self._initial_cmn)
+        options = self.options
+        self.decoder.set_cmn(options.narrowband_cmn if is_narrowband else options.initial_cmn)
         self.decoder.start_utt()
         self._words = None
 
@@ -185,8 +199,7 @@ class DecoderPool:
         self.num_decoders = num_decoders
         self.load_s = time.monotonic() - started
         """Seconds it took to build and warm the whole pool."""
-        self._initial_cmn = self.options.initial_cmn
-        self._free = [SphinxRecognizer(decoder, self._initial_cmn) for decoder in decoders]
+        self._free = [SphinxRecognizer(decoder, self.options) for decoder in decoders]
 
     def _build(self) -> Decoder:
         decoder = build_decoder(self.options)
@@ -207,7 +220,7 @@ class DecoderPool:
         if self.num_decoders >= self.max_decoders:
             return None
         started = time.monotonic()
-        recognizer = SphinxRecognizer(self._build(), self._initial_cmn)
+        recognizer = SphinxRecognizer(self._build(), self.options)
         self.num_decoders += 1
         log.info("stage %s: built speech decoder %d of at most %d in %.2f s (every one was busy)", self.name,
                  self.num_decoders, self.max_decoders, time.monotonic() - started)
@@ -223,5 +236,5 @@ class DecoderPool:
                 # NOTE: a decoder in an unknown state is not lent again; a new one takes its place.
                 log.exception("stage %s: a speech decoder failed to end its utterance; building a new one",
                               self.name)
-                recognizer = SphinxRecognizer(self._build(), self._initial_cmn)
+                recognizer = SphinxRecognizer(self._build(), self.options)
         self._free.append(recognizer)

@@ -14,8 +14,9 @@ from typing import Protocol
 class Recognizer(Protocol):
     """One utterance at a time: `start`, `feed` (any number of times), `finish`."""
 
-    def start(self) -> None:
-        """Begin an utterance, forgetting everything earlier utterances taught the recogniser."""
+    def start(self, is_narrowband: bool = False) -> None:
+        """Begin an utterance, forgetting everything earlier utterances taught the recogniser;
+        `is_narrowband`: its audio was captured at 8 kHz (a phone call), though it comes at 16 kHz."""
 
     def feed(self, pcm: bytes, is_whole: bool = False) -> None:
         """16-bit native-order 16 kHz mono samples (may be empty); `is_whole`: the utterance's only audio."""

@@ -20,6 +20,10 @@ A streamed turn (`submit(..., stream_input=True)`, the user's audio while they s
   only on those), and where the last word is unsure `"input_transcript_alternatives"`: its other
   hypotheses, most likely first (the session's end-of-turn rule reads their last words too).
 
+Either kind may say in `params["source_rate"]` (an integer, Hz) what rate the user's audio was captured at before
+it was resampled to 16 kHz: at 8 kHz or less (a phone call) PocketSphinx starts from its narrowband cepstral mean
+(`asr_decoders.NARROWBAND_CMN`). Sessions send their input rate.
+
 A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and no or empty `content`)
 is transcribed on its own and becomes `{"role": "user", "content": transcript}`; RESULT `{"input_transcript":
 <the last transcript, "" if none>, "messages": [...]}` (messages without audio pass unchanged).
@@ -42,7 +46,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from voice_server.runners.asr_decoders import SAMPLING_RATE
+from voice_server.runners.asr_decoders import NARROWBAND_MAX_RATE, SAMPLING_RATE
 from voice_server.runners.asr_input import messages_with_audio, pcm16
 from voice_server.runners.asr_recognizer import Recognizer, RecognizerPool
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkItem
@@ -74,6 +78,8 @@ class _Request:
     recognizer: Recognizer | None
     """None while a streamed turn waits for a free one."""
     is_stream: bool
+    is_narrowband: bool = False
+    """Its audio was captured at `NARROWBAND_MAX_RATE` or lower (`params["source_rate"]`)."""
     pending: list[WorkItem] = dataclasses.field(default_factory=list)
     """A waiting turn's NEW and CHUNK items, run in order once it has a recogniser."""
 
@@ -132,6 +138,7 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
         # NOTE: an empty conversation is a response with no user turn yet: the agent speaks first (a greeting).
         messages = messages_with_audio(payload.get("messages", [] if item.is_stream else None),
                                        self.config.max_num_samples, is_empty_allowed=True)
+        is_narrowband = _source_rate(item.params) <= NARROWBAND_MAX_RATE
         # NOTE: last: a refusal above must not hold a decoder. A turn queued behind waiting ones waits too.
         recognizer = None if item.is_stream and self._waiting else self.pool.acquire()
         if recognizer is None and not item.is_stream:
@@ -140,7 +147,7 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             self._counters["num_busy_refusals"] += 1
             raise CapacityError(f"all {self.pool.num_decoders} speech decoders are busy and "
                                 f"{len(self._waiting)} turns wait for one (factory_args.max_streams, memory_fraction)")
-        self._requests[item.request_id] = _Request(recognizer, item.is_stream)
+        self._requests[item.request_id] = _Request(recognizer, item.is_stream, is_narrowband)
         if recognizer is None:
             self._waiting[item.request_id] = None
             self._counters["num_waits"] += 1
@@ -214,7 +221,7 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             if not request.is_stream:
                 return Emit(item.request_id, EmitKind.RESULT, {"input_transcript": transcript, "messages": messages})
             request.messages = messages
-            request.lent.start()
+            request.lent.start(request.is_narrowband)
             request.is_in_utterance = True
             return None
         if item.kind is WorkKind.CHUNK:
@@ -240,7 +247,7 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             if "pcm" not in message:
                 messages.append(message)
                 continue
-            request.lent.start()  # NOTE: each clip is transcribed as if it came alone
+            request.lent.start(request.is_narrowband)  # NOTE: each clip is transcribed as if it came alone
             request.is_in_utterance = True
             request.lent.feed(message["pcm"], is_whole=True)
             transcript = self._end_utterance(request)
@@ -269,3 +276,11 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
     def stats(self) -> dict[str, int]:
         return {"num_decoders": self.pool.num_decoders, "num_free_decoders": self.pool.num_free,
                 "num_requests": len(self._requests), "num_waiting": len(self._waiting), **self._counters}
+
+
+def _source_rate(params: Any) -> int:
+    """`params["source_rate"]`: the rate the audio was captured at (16 kHz when not given)."""
+    value = params.get("source_rate", SAMPLING_RATE) if isinstance(params, dict) else SAMPLING_RATE
+    if isinstance(value, bool) or not isinstance(value, int) or not 1000 <= value <= 384_000:
+        raise AdmissionError(f"params.source_rate: must be an integer in [1000, 384000] (Hz), got {value!r}")
+    return value

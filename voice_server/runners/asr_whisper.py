@@ -83,8 +83,8 @@ class WhisperRecognizer:
         self._pool = pool
         self._pieces: list[bytes] = []
 
-    def start(self) -> None:
-        self._pieces.clear()
+    def start(self, is_narrowband: bool = False) -> None:
+        self._pieces.clear()  # NOTE: Whisper was trained on telephone audio too: one path for both
 
     def feed(self, pcm: bytes, is_whole: bool = False) -> None:
         self._pieces.append(pcm)

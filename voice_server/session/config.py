@@ -26,6 +26,12 @@ class SessionConfig:
     in steady noise but hurts it in babble and on clean speech, and delays every end of turn by ~35 ms
     (docs/BENCHMARKS.md, "Noise reduction of the input")."""
 
+    def request_params(self) -> dict[str, Any]:
+        """What every request of the session sends: `params`, and `source_rate`, the rate the user's audio
+        comes at (the pipeline gets it at 16 kHz; the asr stage hears 8 kHz telephone audio from its own
+        starting point: `voice_server/runners/asr_decoders.py`)."""
+        return {**dict(self.params), "source_rate": self.input_rate}
+
     def __post_init__(self) -> None:
         for name in ("input_rate", "output_rate"):
             value = getattr(self, name)

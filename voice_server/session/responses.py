@@ -89,7 +89,7 @@ class Responses:
         payload = {"messages": self.conversation.to_messages(
             self.config.instructions if instructions is None else instructions)}
         # NOTE: the new item is in the conversation (it is the reply) but not in the payload: empty.
-        merged = {**dict(self.config.params), **(params or {})}
+        merged = {**self.config.request_params(), **(params or {})}
         run = ResponseRun(response_id, item, self.config.output_rate, self.emit,
                           self.conversation.last_untranscribed_id(), self.conversation, ToolSet.from_params(merged))
         run.speech_end_at, self._speech_end_at = self._speech_end_at, None

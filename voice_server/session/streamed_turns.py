@@ -92,7 +92,7 @@ class StreamedTurns(Responses):
         self._drop_turn()
         payload = {"messages": self.conversation.to_messages(self.config.instructions)}
         try:
-            stream = self.coordinator.submit(payload, dict(self.config.params), stream_input=True)
+            stream = self.coordinator.submit(payload, self.config.request_params(), stream_input=True)
         except RequestError as exc:
             # NOTE: the turn goes on without it; its end falls back to a whole request.
             await self.emit(SessionError("pipeline_unavailable", str(exc)))
