@@ -36,18 +36,11 @@ ROOT = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT.parent / "tests")]
 
 import numpy as np  # noqa: E402
-from speech_text import word_error_rate  # noqa: E402
+from speech_text import by_phone, word_error_rate  # noqa: E402
 from table import cpu_description, format_table  # noqa: E402
 from turntaking_set import Item, make_items  # noqa: E402
 
-from voice_server.audio import (  # noqa: E402
-    StreamResampler,
-    float32_to_pcm16,
-    pcm16_to_float32,
-    resample_signal,
-    ulaw_decode,
-    ulaw_encode,
-)
+from voice_server.audio import float32_to_pcm16  # noqa: E402
 from voice_server.runners.asr_decoders import NARROWBAND_CMN, DecoderOptions, build_decoder  # noqa: E402
 
 GENERIC_CMN = "40,3,-1,0,0,0,0,0,0,0,0,0,0"
@@ -108,11 +101,10 @@ def measure(name: str, options: DecoderOptions, items: list[Item], search: dict[
             "num_items": len(items)}
 
 
-def by_phone(item: Item) -> Item:
-    """`item` as a call brings it: 8 kHz u-law, then 16 kHz again (nothing above 4 kHz)."""
-    codes = ulaw_encode(float32_to_pcm16(resample_signal(item.audio, 16000, 8000)))
-    audio = StreamResampler(8000, 16000).process(pcm16_to_float32(ulaw_decode(codes)))
-    return Item(item.category, item.name, audio, item.speech, item.pause, item.speed, item.level_db, item.snr_db)
+def phoned(item: Item) -> Item:
+    """`item` as a call brings it (`speech_text.by_phone`)."""
+    return Item(item.category, item.name, by_phone(item.audio), item.speech, item.pause, item.speed, item.level_db,
+                item.snr_db)
 
 
 def main() -> None:
@@ -125,11 +117,11 @@ def main() -> None:
     items = [Item(i.category, i.name.replace(",", ""), i.audio, i.speech, None, i.speed, i.level_db, i.snr_db)
              for i in items]
     if args.narrowband:
-        phoned = [by_phone(item) for item in items]
+        by_call = [phoned(item) for item in items]
         rows = [measure("16 kHz, speech CMN", DecoderOptions(), items),
-                measure("8 kHz u-law, speech CMN (the stage before)", DecoderOptions(), phoned),
+                measure("8 kHz u-law, speech CMN (the stage before)", DecoderOptions(), by_call),
                 measure("8 kHz u-law, narrowband CMN (source_rate 8000)", DecoderOptions(initial_cmn=NARROWBAND_CMN),
-                        phoned)]
+                        by_call)]
     elif args.search:
         rows = [measure(name, DecoderOptions(), items, search) for name, search in SEARCH_SETTINGS.items()]
     else:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler
+from voice_server.audio import StreamResampler, pcm16_to_float32, resample_signal, ulaw_decode, ulaw_encode
 from voice_server.audio.pcm import float32_to_pcm16
 
 ASR_RATE = 16000
@@ -134,3 +134,10 @@ def hesitant_speech(text: str, pause_s: float, silence_s: float = 0.3) -> npt.ND
 def chunks(audio: npt.NDArray[np.float32], chunk_ms: int = 20) -> list[npt.NDArray[np.float32]]:
     step = ASR_RATE * chunk_ms // 1000
     return [audio[i:i + step] for i in range(0, len(audio), step)]
+
+
+def by_phone(audio: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """16 kHz `audio` as a phone call brings it to the recogniser: 8 kHz u-law, then 16 kHz again as a session
+    resamples it (nothing above 4 kHz)."""
+    codes = ulaw_encode(float32_to_pcm16(resample_signal(audio, ASR_RATE, 8000)))
+    return StreamResampler(8000, ASR_RATE).process(pcm16_to_float32(ulaw_decode(codes)))

@@ -10,16 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 from asr_checks import HISTORY, MAX_WER, run, runner_over
-from speech_text import SENTENCES, chunks, speech, word_error_rate
+from speech_text import SENTENCES, by_phone, chunks, speech, word_error_rate
 
-from voice_server.audio import (
-    StreamResampler,
-    float32_to_pcm16,
-    pcm16_to_float32,
-    resample_signal,
-    ulaw_decode,
-    ulaw_encode,
-)
+from voice_server.audio import float32_to_pcm16
 from voice_server.runners.admission import AdmissionRules, admit
 from voice_server.runners.asr_decoders import NARROWBAND_CMN, SPEECH_CMN, DecoderOptions, DecoderPool
 from voice_server.runners.asr_runner import AsrRunner
@@ -306,13 +299,9 @@ def test_a_phone_turn_is_heard_from_the_narrowband_cepstral_mean(runner: AsrRunn
     """Audio captured at 8 kHz (u-law, as a phone call sends it) comes at 16 kHz with nothing above 4 kHz;
     from the 16 kHz speech mean PocketSphinx hears next to nothing of it ("what what hm"), from the
     narrowband one (`params["source_rate"]` 8000, what a session at 8 kHz sends) most of the words."""
-    def phone(audio: np.ndarray) -> np.ndarray:
-        codes = ulaw_encode(float32_to_pcm16(resample_signal(audio, 16000, 8000)))
-        return StreamResampler(8000, 16000).process(pcm16_to_float32(ulaw_decode(codes)))
-
     errors: dict[int, list[float]] = {8000: [], 16000: []}
     for text in SENTENCES:
-        pieces = chunks(phone(speech(text)), 20)
+        pieces = chunks(by_phone(speech(text)), 20)
         for rate, found in errors.items():
             rid = f"{text} at {rate}"
             emits = run(runner, [new_stream(rid, [], {"source_rate": rate}),
