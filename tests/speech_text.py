@@ -136,8 +136,16 @@ def chunks(audio: npt.NDArray[np.float32], chunk_ms: int = 20) -> list[npt.NDArr
     return [audio[i:i + step] for i in range(0, len(audio), step)]
 
 
+PHONE_RATE = 8000
+
+
+def ulaw_of(signal_16k: npt.NDArray[np.floating]) -> bytes:
+    """16 kHz float audio as a phone line carries it: band-limited to 8 kHz, mu-law."""
+    return ulaw_encode(float32_to_pcm16(resample_signal(signal_16k, ASR_RATE, PHONE_RATE))).tobytes()
+
+
 def by_phone(audio: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
-    """16 kHz `audio` as a phone call brings it to the recogniser: 8 kHz u-law, then 16 kHz again as a session
+    """16 kHz `audio` as a phone call brings it to the recogniser: `ulaw_of`, then 16 kHz again as a session
     resamples it (nothing above 4 kHz)."""
-    codes = ulaw_encode(float32_to_pcm16(resample_signal(audio, ASR_RATE, 8000)))
-    return StreamResampler(8000, ASR_RATE).process(pcm16_to_float32(ulaw_decode(codes)))
+    codes = np.frombuffer(ulaw_of(audio), np.uint8)
+    return StreamResampler(PHONE_RATE, ASR_RATE).process(pcm16_to_float32(ulaw_decode(codes)))

@@ -15,21 +15,17 @@ from collections import defaultdict, deque
 from typing import Any
 
 import numpy as np
+from speech_text import ulaw_of
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from voice_server.audio import b64decode, b64encode, float32_to_pcm16, resample_signal, ulaw_encode
+from voice_server.audio import b64decode, b64encode
 from voice_server.session.events import ResponseDone
 from voice_server.session.twilio import TwilioStart
 
 RATE = 8000
 FRAME = 160  # NOTE: 20 ms of 8 kHz mu-law, what Twilio sends per media message
 FRAME_S = 0.02
-
-
-def ulaw_of(signal_16k: np.ndarray) -> bytes:
-    """16 kHz float audio as a phone line carries it: band-limited to 8 kHz, mu-law."""
-    return ulaw_encode(float32_to_pcm16(resample_signal(signal_16k, 16000, RATE))).tobytes()
 
 
 class Phone:
