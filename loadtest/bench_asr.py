@@ -25,6 +25,7 @@ Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py [--search | --narrowband]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -103,8 +104,7 @@ def measure(name: str, options: DecoderOptions, items: list[Item], search: dict[
 
 def phoned(item: Item) -> Item:
     """`item` as a call brings it (`speech_text.by_phone`)."""
-    return Item(item.category, item.name, by_phone(item.audio), item.speech, item.pause, item.speed, item.level_db,
-                item.snr_db)
+    return dataclasses.replace(item, audio=by_phone(item.audio))
 
 
 def main() -> None:
