@@ -132,6 +132,36 @@ def test_an_unfinished_turn_waits_for_the_maximum_silence() -> None:
     assert index == machine.num_windows - 1
 
 
+@pytest.mark.parametrize("eagerness", ["low", "medium", "high"])
+def test_unfinished_words_hold_a_finished_sounding_turn_a_bounded_while(eagerness: str) -> None:
+    rules = EAGERNESS[eagerness]
+    assert rules.min_silence_ms < rules.unfinished_silence_ms < rules.max_silence_ms
+    machine = EndOfTurn(TurnDetectionConfig(type="semantic_vad", eagerness=eagerness))
+    pause = speak(machine)
+    # NOTE: even a sure score waits when the words end on "a", "the", "and"...
+    assert machine.on_score(pause.token, 0.99, is_unfinished=True) == []
+    (index, stopped), = run(machine, [0.0] * windows(rules.max_silence_ms))
+    assert stopped.audio_end_ms - pause.speech_end_ms == windows(rules.unfinished_silence_ms) * WINDOW_MS
+
+
+def test_a_speaker_who_goes_on_within_the_unfinished_wait_keeps_the_turn() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    assert machine.on_score(pause.token, 0.99, is_unfinished=True) == []
+    # NOTE: a 900 ms hesitation (less the 96 ms already silent), then the rest of the sentence.
+    events = run(machine, [0.0] * windows(900 - 96) + [0.9, 0.9])
+    assert [type(e) for _, e in events] == [SpeechResumed] and machine.phase is Phase.SPEAKING
+
+
+def test_unfinished_words_and_an_unfinished_sound_wait_for_the_maximum_silence() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    rules = EAGERNESS["medium"]
+    pause = speak(machine)
+    assert machine.on_score(pause.token, rules.min_complete - 0.01, is_unfinished=True) == []
+    (index, stopped), = run(machine, [0.0] * windows(rules.max_silence_ms))
+    assert stopped.audio_end_ms - pause.speech_end_ms == windows(rules.max_silence_ms) * WINDOW_MS
+
+
 def test_a_resumed_speaker_voids_the_pause_and_its_score() -> None:
     machine = EndOfTurn(SEMANTIC)
     pause = speak(machine)

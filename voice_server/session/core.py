@@ -27,7 +27,6 @@ from voice_server.session.connection import Engine
 from voice_server.session.conversation import Item, new_id, speech_item
 from voice_server.session.detectors import PauseScorer, make_detector
 from voice_server.session.end_of_turn import (
-    UNFINISHED_SCORE,
     OnsetHeard,
     OnsetLost,
     Phase,
@@ -172,11 +171,10 @@ class Session(StreamedTurns):
         async with self._turn_lock:
             if not isinstance(self.detector, SemanticTurnDetector):
                 return
-            if self._turn is not None:
-                run = self._turn.run
-                if hypotheses_suggest_more(run.held_transcript or "", run.last_partial, run.held_alternatives):
-                    probability = min(probability, UNFINISHED_SCORE)
-            await self._on_turn_events(self.detector.on_score(token, probability))
+            run = self._turn.run if self._turn is not None else None
+            is_unfinished = run is not None and hypotheses_suggest_more(
+                run.held_transcript or "", run.last_partial, run.held_alternatives)
+            await self._on_turn_events(self.detector.on_score(token, probability, is_unfinished))
 
     async def _on_speech_stopped(self, event: VadStopped) -> None:
         assert self.detector is not None

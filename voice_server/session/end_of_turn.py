@@ -11,15 +11,17 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
     PAUSED --(score >= sure_complete)--> IDLE                                emits SpeechStopped
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
 
+where the words end where a sentence cannot (`is_unfinished`), a score of `min_complete` or more commits
+only after `unfinished_silence_ms` of silence, and a lower one after `max_silence_ms` as before.
+
 `OnsetHeard` comes a window or more before a turn could open (`num_start_windows` > 1): a reply playing
 may hold its audio at once, and go on at `OnsetLost` (a click, a blip) if the turn never opens.
 
 `SilenceStarted` asks the caller to score the turn's audio so far (Smart Turn) and to hand the result
-back with `on_score(token, probability)` (capped by `words_suggest_more` where the caller has the
-turn's words); a score for an older pause (the speaker resumed since) is
-ignored. The commit waits for whichever comes last of the score and `min_silence_ms`, and never waits
-past `max_silence_ms` (a slow or failed score only costs that wait). Times are ms of the input
-timeline: window `i` is `[32 i, 32 i + 32)`.
+back with `on_score(token, probability, is_unfinished)` (`hypotheses_suggest_more` where the caller has
+the turn's words); a score for an older pause (the speaker resumed since) is ignored. The commit waits
+for whichever comes last of the score and `min_silence_ms`, and never waits past `max_silence_ms` (a slow
+or failed score only costs that wait). Times are ms of the input timeline: window `i` is `[32 i, 32 i + 32)`.
 
 Hysteresis: a window is speech at probability >= 0.5 and non-speech below 0.35 (Silero's own
 convention); in between it continues the run it is in, so a flickering probability neither opens nor
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped
 
-__all__ = ["UNFINISHED_SCORE", "WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted",
+__all__ = ["WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted",
            "SpeechResumed", "hypotheses_suggest_more", "words_suggest_more"]
 
 WINDOW_MS = 32
@@ -54,8 +56,6 @@ RESUME_MS = 64
 """Speech that ends a pause: one window may be a click or a breath."""
 
 
-UNFINISHED_SCORE = 0.05
-"""The score of a turn whose words cannot end a sentence (below every eagerness's `min_complete`)."""
 _CONTINUING_WORDS = frozenset([
     "a", "an", "the", "my", "your", "our", "their",  # determiners
     "of", "from", "into", "onto", "between", "during", "than",  # prepositions that never close a sentence
@@ -146,6 +146,8 @@ class EndOfTurn:
         """The current pause's token; bumped by every pause and every end of one."""
         self.score: float | None = None
         """The current pause's end-of-turn probability, once scored."""
+        self.is_unfinished = False
+        """Whether the current pause's words end where a sentence cannot (given with its score)."""
         self.num_speech_windows = 0
         """Speech windows since the open turn started (its onset's included)."""
         self._num_run = 0
@@ -205,19 +207,27 @@ class EndOfTurn:
             return [SpeechResumed(self.now_ms)]
         return self._decide()
 
-    def on_score(self, token: int, probability: float) -> list[object]:
-        """The end-of-turn probability asked for by the `SilenceStarted` carrying `token`."""
+    def on_score(self, token: int, probability: float, is_unfinished: bool = False) -> list[object]:
+        """The end-of-turn probability asked for by the `SilenceStarted` carrying `token`, and whether the
+        turn's words so far end where a sentence cannot."""
         if token != self.token or self.phase is not Phase.PAUSED:
             return []
-        self.score = probability
+        self.score, self.is_unfinished = probability, is_unfinished
         return self._decide()
 
     def _decide(self) -> list[object]:
         silence_ms = self.now_ms - self.speech_end_ms
+        rules = self.rules
         score = -1.0 if self.score is None else self.score
-        is_done = score >= self.rules.sure_complete or (
-            score >= self.rules.min_complete and silence_ms >= self.rules.min_silence_ms)
-        if is_done or silence_ms >= self.rules.max_silence_ms:
+        if self.is_unfinished:
+            # NOTE: the model hears a finished sentence and the words say otherwise. Either may be wrong: a
+            # flat voice cut after "a" sounds done, and a call's recogniser hears "France" as "free and".
+            # A listener waits a beat longer, not the whole maximum silence, for the speaker to go on.
+            is_done = score >= rules.min_complete and silence_ms >= rules.unfinished_silence_ms
+        else:
+            is_done = score >= rules.sure_complete or (
+                score >= rules.min_complete and silence_ms >= rules.min_silence_ms)
+        if is_done or silence_ms >= rules.max_silence_ms:
             event = SpeechStopped(self.now_ms, self.speech_end_ms)
             self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0
             self.token += 1

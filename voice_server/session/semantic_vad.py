@@ -180,9 +180,10 @@ class SemanticTurnDetector:
             events.extend(self.machine.step(probability, self.gate.is_quiet(probability, level_db)))
         return events
 
-    def on_score(self, token: int, probability: float) -> list[object]:
-        """The Smart Turn probability for the pause whose `SilenceStarted` carried `token`."""
-        return self.machine.on_score(token, probability)
+    def on_score(self, token: int, probability: float, is_unfinished: bool = False) -> list[object]:
+        """The Smart Turn probability for the pause whose `SilenceStarted` carried `token`, and whether
+        the turn's words end where a sentence cannot (`EndOfTurn.on_score`)."""
+        return self.machine.on_score(token, probability, is_unfinished)
 
     def score(self, audio: npt.NDArray[np.int16]) -> float:
         """Smart Turn's probability that the turn in `audio` (int16 at the input rate, its last 8 s used)

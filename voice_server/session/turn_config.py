@@ -53,23 +53,30 @@ TYPES = ("server_vad", "semantic_vad")
 class Eagerness:
     """How `semantic_vad` decides, per OpenAI `eagerness`: commit once the end-of-turn model's
     probability is at least `min_complete` and the speaker has been silent `min_silence_ms`, or at once
-    (at the pause) where it is at least `sure_complete`; commit whatever the model says after
+    (at the pause) where it is at least `sure_complete`; where the turn's words end where a sentence
+    cannot ("I'd like a"), only after `unfinished_silence_ms`; commit whatever the model says after
     `max_silence_ms` of silence."""
 
     min_complete: float
     min_silence_ms: int
     max_silence_ms: int
     sure_complete: float
+    unfinished_silence_ms: int
 
 
 # NOTE: OpenAI documents only the maximum waits (8 s / 4 s / 2 s); a caller on a phone hears 8 s as a dead
 # line, so the waits here are shorter, and `auto` is `medium` as OpenAI says. `min_silence_ms`: Silero
 # needs ~100 ms of silence to say speech stopped at all; the rest is the margin against a breath, which a
 # score of `sure_complete` or more waives (the pause is then already scored, and the margin is dead air).
+# `unfinished_silence_ms`: a hesitation's pause in conversation is mostly under a second (the turn-taking
+# set's are 400-900 ms), so medium waits 1.2 s; a longer one is taken as the end of the turn.
 EAGERNESS = {
-    "low": Eagerness(min_complete=0.8, min_silence_ms=300, max_silence_ms=3000, sure_complete=0.97),
-    "medium": Eagerness(min_complete=0.5, min_silence_ms=200, max_silence_ms=2000, sure_complete=0.9),
-    "high": Eagerness(min_complete=0.3, min_silence_ms=120, max_silence_ms=1200, sure_complete=0.7),
+    "low": Eagerness(min_complete=0.8, min_silence_ms=300, max_silence_ms=3000, sure_complete=0.97,
+                     unfinished_silence_ms=1600),
+    "medium": Eagerness(min_complete=0.5, min_silence_ms=200, max_silence_ms=2000, sure_complete=0.9,
+                        unfinished_silence_ms=1200),
+    "high": Eagerness(min_complete=0.3, min_silence_ms=120, max_silence_ms=1200, sure_complete=0.7,
+                      unfinished_silence_ms=900),
 }
 EAGERNESS["auto"] = EAGERNESS["medium"]
 
