@@ -38,6 +38,10 @@ def by_char(text: str, rules: ClauseRules | None = None) -> list[str]:
     ("Steps:\n1. Mix\n2. Bake it for 20 minutes.\n\nDone.",
      ["Steps:", "1. Mix", "2. Bake it for 20 minutes.", "Done."]),
     ("Wait... what happened here? Nothing.", ["Wait... what happened here?", "Nothing."]),
+    ("The answer is 10:12:59 (I am an AI) and that is all.",
+     ["The answer is 10:12:59", "(I am an AI) and that is all."]),
+    # NOTE: no cut inside "f(x)" (no space before it), nor after "(or later": shorter than min_clause_chars.
+    ("Call f(x) now (or later (maybe)), fine.", ["Call f(x) now", "(or later (maybe)),", "fine."]),
 ])
 def test_clause_ends(text: str, want: list[str]) -> None:
     assert whole(text) == want

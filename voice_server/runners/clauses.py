@@ -2,7 +2,8 @@
 
 A clause ends at a sentence end (`. ! ? …`) or a clause mark (`, ; :`), closing quotes, brackets or
 markdown emphasis allowed after it, followed by whitespace; at a spaced dash (`a — b`, `a - b`,
-`a -- b`), an unspaced em dash (`so—then`) or a newline (a heading or list item, however short).
+`a -- b`), an unspaced em dash (`so—then`), before a spaced opening bracket (`it is 7 (I think)`: an
+aside is said apart) or at a newline (a heading or list item, however short).
 Not a clause end:
 - a mark inside a number or a URL (`3.5`, `1,000`, `7:30`): no whitespace follows it;
 - a period after a common abbreviation (`Dr.`, `e.g.`, `a.m.`), an initial (`J. K. Rowling`) or a
@@ -140,6 +141,8 @@ class ClauseSplitter:
         """Whether a clause ends as `_pending[i]` arrives; if so, (where it ends, where the next starts)."""
         text, char = self._pending, self._pending[i]
         if not char.isspace():
+            if char == "(" and i > 0 and text[i - 1].isspace():
+                return (i - 1, i) if self._is_long_enough(text[:i - 1]) else None
             is_dash_cut = i > 0 and text[i - 1] == _UNSPACED_DASH and char not in _SPACED_DASHES
             return (i, i) if is_dash_cut and self._is_long_enough(text[:i]) else None
         before = text[:i]
