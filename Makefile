@@ -45,8 +45,9 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy voice_server
 
+# NOTE: the 15 slowest tests are listed last, so a CI log's tail shows where the run's time went.
 unit: install
-	OMP_NUM_THREADS=1 VOICE_SERVER_NO_SKIP=1 $(VENV)/bin/pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 VOICE_SERVER_NO_SKIP=1 $(VENV)/bin/pytest -q -p no:cacheprovider --durations=15
 
 # NOTE: what the tests drive besides Python packages (Debian/Ubuntu names): chromium (tests/web), nginx
 # (tests/load/test_replicas.py), g++ (the C++ kernels' tests), libibverbs1 (Mooncake's transfer engine links it,
