@@ -181,7 +181,7 @@ class EndOfTurn:
                 self._num_run, self.speech_end_ms = 0, self.now_ms
             if self._num_run < self.num_pause_windows:
                 return []
-            self.phase, self._num_run, self.score = Phase.PAUSED, 0, None
+            self.phase, self._num_run, self.score, self.is_unfinished = Phase.PAUSED, 0, None, False
             self.token += 1
             return [SilenceStarted(self.speech_end_ms, self.token)]
         num_run_before = self._num_run
