@@ -132,8 +132,7 @@ class Coordinator:
         self.endpoints.bind(self._inbox, self.endpoints.inboxes[ipc.COORDINATOR])
         self._pub = ipc.configure(self._ctx.socket(zmq.PUB))
         self.endpoints.bind(self._pub, self.endpoints.broadcast)
-        self._peers = ipc.Peers(self._ctx, self.endpoints)
-        self._peers.connect_all(ipc.COORDINATOR)
+        self._peers = ipc.Peers(self._ctx, self.endpoints, ipc.COORDINATOR)
         self.slab = ShmSlab(
             self.launch_id, self.owner, self.cfg.relay_slab_bytes,
             max_bytes=self.limits.max_relay_bytes, max_overflow_segments=self.limits.max_relay_segments,

@@ -198,21 +198,18 @@ def die_with_parent() -> None:
 
 
 class Peers:
-    """PUSH sockets to other processes' inboxes: all of them at start (`connect_all`); one to a process
-    that died is dropped (`reset`) and connected again on first use."""
+    """PUSH sockets from process `own` to every other process's inbox, all connected on construction; one
+    to a process that died is dropped (`reset`) and connected again on first use.
 
-    def __init__(self, ctx: zmq.Context, endpoints: Endpoints) -> None:
+    NOTE: connected on first use, a path first taken under load (an ack to a process this one had never
+    sent to) opened a socket mid-run: descriptors then grew after start-up, which a burst's descriptor check
+    could not tell from a leak, and that first message waited for the connection. ZMQ connects in the
+    background, so an inbox not bound yet (a stage still starting) is reached once it is."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: Endpoints, own: str) -> None:
         self.ctx, self.endpoints = ctx, endpoints
         self._socks: dict[str, zmq.Socket] = {}
-
-    def connect_all(self, own: str) -> None:
-        """Connect to every other process's inbox now rather than at the first message to it.
-
-        NOTE: on first use, a path first taken under load (an ack to a process this one had never sent to)
-        connected a socket mid-run: descriptors then grew after start-up, which a burst's descriptor check
-        could not tell from a leak, and that first message waited for the connection. ZMQ connects in the
-        background, so an inbox not bound yet (a stage still starting) is reached once it is."""
-        for process in self.endpoints.inboxes:
+        for process in endpoints.inboxes:
             if process != own:
                 self.get(process)
 

@@ -54,8 +54,7 @@ class StageShell:
         self.poller = zmq.Poller()
         self.poller.register(self.sub, zmq.POLLIN)
         self.poller.register(self.inbox, zmq.POLLIN)
-        self._peers = ipc.Peers(self.ctx, spec.endpoints)
-        self._peers.connect_all(spec.process)
+        self._peers = ipc.Peers(self.ctx, spec.endpoints, spec.process)
         self.slab = ShmSlab(
             spec.launch_id, self.owner, self.cfg.relay_slab_bytes,
             max_bytes=spec.limits.max_relay_bytes, max_overflow_segments=spec.limits.max_relay_segments,
