@@ -24,7 +24,7 @@ import numpy.typing as npt
 from voice_server.audio.denoise import NoiseSuppressor
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
-from voice_server.session.conversation import Item, new_id, speech_item
+from voice_server.session.conversation import SPEECH_RATE, Item, new_id, speech_item
 from voice_server.session.detectors import PauseScorer, make_detector
 from voice_server.session.end_of_turn import (
     OnsetHeard,
@@ -79,15 +79,16 @@ class Session(StreamedTurns):
             # NOTE: before everything: the turn detector, the turn's streamed audio and the committed item
             # all take the denoised audio (`delay_ms` behind, the same number of samples: one timeline).
             pcm16 = self.denoiser.process(pcm16)
-        self.input.append(pcm16)
+        speech = self.input.append(pcm16)
         if self._turn is not None:
-            await self._send_turn_audio(pcm16)
-        if self.detector is None:
+            await self._send_turn_audio(speech)
+        detector = self.detector
+        if detector is None:
             return
         # NOTE: under the lock, so that a pause's score (handled by its own task) and the audio's events
         # reach the state machine and the client in one order.
         async with self._turn_lock:
-            await self._on_turn_events(self.detector.feed(pcm16))
+            await self._on_turn_events(detector.feed(speech if detector.input_rate == SPEECH_RATE else pcm16))
             if self.interruption is not None:
                 await self._judge()
 
@@ -249,7 +250,7 @@ class Session(StreamedTurns):
         if audio.size == 0:
             await self.emit(SessionError("input_audio_buffer_commit_empty", "no audio to commit"))
             return False
-        item = self.conversation.add(speech_item(item_id, audio, self.config.input_rate, end_ms - start_ms))
+        item = self.conversation.add(speech_item(item_id, audio, SPEECH_RATE, end_ms - start_ms))
         await self.emit(InputCommitted(item.item_id, item.num_audio_ms, is_buffer=True))
         return True
 

@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from voice_server.session.config import SessionConfig
+from voice_server.session.conversation import SPEECH_RATE
 from voice_server.session.semantic_vad import SemanticTurnDetector
 from voice_server.session.vad import TurnDetector
 
@@ -29,12 +30,13 @@ Detector = TurnDetector | SemanticTurnDetector
 
 
 def make_detector(config: SessionConfig) -> Detector | None:
-    """The detector of `config.turn_detection` (None: manual turns)."""
+    """The detector of `config.turn_detection` (None: manual turns). A `semantic_vad` one takes the session's
+    input at 16 kHz (`InputBuffer.append`'s, what its models read), a `server_vad` one the input as it is."""
     turns = config.turn_detection
     if turns is None:
         return None
     if turns.is_semantic:
-        return SemanticTurnDetector(turns, config.input_rate)
+        return SemanticTurnDetector(turns, SPEECH_RATE)
     return TurnDetector(turns, config.input_rate)
 
 

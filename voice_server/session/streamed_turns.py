@@ -21,11 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_float32
 from voice_server.engine.requests import InputStream, RequestError
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
-from voice_server.session.conversation import SPEECH_RATE, Item, new_id
+from voice_server.session.conversation import Item, new_id
 from voice_server.session.events import ResponseStarted, SessionError
 from voice_server.session.input_buffer import InputBuffer
 from voice_server.session.response import Emit, ResponseRun
@@ -47,8 +46,6 @@ class OpenTurn:
     input: InputStream
     """The request's input: `send(payload)`, `end()`."""
     task: asyncio.Task[None]
-    resampler: StreamResampler | None
-    """Input rate -> 16 kHz, with its state across the turn's chunks (None at 16 kHz)."""
 
     @property
     def is_speculating(self) -> bool:
@@ -61,14 +58,12 @@ class OpenTurn:
         return self.is_speculating and self.run.held_transcript is None
 
     def send(self, pcm16: npt.NDArray[np.int16]) -> None:
-        """Raises RequestError (OverloadError: the relay is full) when the chunk could not be sent."""
+        """The next 16 kHz chunk (`InputBuffer`'s). Raises RequestError (OverloadError: the relay is full)
+        when the chunk could not be sent."""
         if self.input.is_ended:
             return  # NOTE: speculating: the pause's silence is not the request's; speech resuming reopens it
-        # NOTE: at 16 kHz already, the asr stage takes the int16 as it is, with no conversion either way.
-        resampler = self.resampler
-        audio = pcm16 if resampler is None else float32_to_pcm16(resampler.process(pcm16_to_float32(pcm16)))
-        if audio.size:
-            self.input.send({"audio": audio})
+        if pcm16.size:
+            self.input.send({"audio": pcm16})  # NOTE: the asr stage takes 16 kHz int16 as it is
 
 
 class StreamedTurns(Responses):
@@ -102,9 +97,7 @@ class StreamedTurns(Responses):
                           self.config.output_rate, self.emit, item_id, self.conversation,
                           ToolSet.from_params(dict(self.config.params)))
         run.partial_sent = partial_sent
-        rate = self.config.input_rate
-        resampler = None if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE)
-        self._turn = OpenTurn(run, stream.input, asyncio.create_task(self._respond_to(run, stream)), resampler)
+        self._turn = OpenTurn(run, stream.input, asyncio.create_task(self._respond_to(run, stream)))
         await self._send_turn_audio(self.input.peek(start_ms))
 
     async def _send_turn_audio(self, pcm16: npt.NDArray[np.int16]) -> None:
