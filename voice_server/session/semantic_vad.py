@@ -13,7 +13,8 @@ The models are loaded once per process (`shared_models`) and shared by every ses
 Interface as `TurnDetector`'s (`feed` -> events on the input timeline, `is_speaking`, `turn_start_ms`,
 `reset`), plus `SilenceStarted` / `SpeechResumed` events and `on_score` for the score a `SilenceStarted`
 asked for. Input at 8, 24 or 48 kHz is resampled to 16 kHz, the filter's delay dropped (as in `vad.py`),
-so window `i` is exactly input `[32 i, 32 i + 32)` ms.
+so window `i` is exactly input `[32 i, 32 i + 32)` ms. A session builds it at 16 kHz and feeds it the input its
+`InputBuffer` has resampled already (one resampler per session, shared with the recogniser and Smart Turn).
 """
 
 from __future__ import annotations
