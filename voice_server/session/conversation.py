@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler
+from voice_server.audio import resample_signal
 from voice_server.session.tools import ToolCall
 
 SPEECH_RATE = 16000
@@ -155,9 +155,9 @@ class Conversation:
 
 
 def speech_item(item_id: str, audio: npt.NDArray[np.float32], rate: int, num_audio_ms: int | None = None) -> Item:
-    """A spoken user item from float32 audio at `rate` (resampled to `SPEECH_RATE`); `num_audio_ms`: the turn's
-    length on the session's timeline, when known (else the audio's)."""
-    speech = audio if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE).process(audio)
+    """A spoken user item from float32 audio at `rate` (resampled to `SPEECH_RATE` as a whole: aligned, its tail
+    kept); `num_audio_ms`: the turn's length on the session's timeline, when known (else the audio's)."""
+    speech = audio if rate == SPEECH_RATE else resample_signal(audio, rate, SPEECH_RATE)
     num_ms = round(1000 * audio.size / rate) if num_audio_ms is None else num_audio_ms
     return Item(item_id, "user", audio=speech, num_audio_ms=num_ms)
 
