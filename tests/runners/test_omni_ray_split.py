@@ -145,8 +145,12 @@ def test_a_lost_node_fails_its_requests_and_its_stages_come_back_when_a_node_is_
 
     failed = split.run(in_flight(), timeout=120)
     assert all(isinstance(r, RequestError) for r in failed), failed
-    assert all(any(f"stage process '{p}'" in str(r) for p in ON_WORKER) for r in failed), failed
-    assert all(f"on node {WORKER_IP} died" in str(r) for r in failed), failed  # NOTE: the host's death, not "-9"
+    # NOTE: the host's death, not "-9". A request may fail a moment before the cluster reports it: its next
+    # output, relayed from the dead node, can no longer be read (seen once in a full run of the suite).
+    for r in failed:
+        is_down = any(f"stage process '{p}'" in str(r) for p in ON_WORKER) and f"on node {WORKER_IP} died" in str(r)
+        is_lost = any(f"output of stage '{p}' lost" in str(r) for p in ON_WORKER) and "producer gone" in str(r)
+        assert is_down or is_lost, failed
     deadline = time.monotonic() + 20
     # NOTE: each process's death reaches the server on its own, within the cluster's health checks.
     while {(health := coordinator.health())["stages"][p]["state"] for p in ON_WORKER} != {"restarting"}:
