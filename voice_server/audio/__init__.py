@@ -19,9 +19,16 @@ from voice_server.audio.pcm import (
     pcm16_to_bytes,
     pcm16_to_float32,
 )
-from voice_server.audio.resample import SUPPORTED_RATES, ResamplerSpec, StreamResampler, resample_signal
+from voice_server.audio.resample import (
+    SUPPORTED_RATES,
+    AlignedResampler,
+    ResamplerSpec,
+    StreamResampler,
+    resample_signal,
+)
 
 __all__ = [
+    "AlignedResampler",
     "AUDIBLE_DB",
     "PlayoutClock",
     "SUPPORTED_RATES",

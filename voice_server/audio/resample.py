@@ -43,7 +43,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from voice_server.audio.pcm import float32_to_pcm16, pcm16_to_float32
 
-__all__ = ["SUPPORTED_RATES", "ResamplerSpec", "StreamResampler", "resample_signal"]
+__all__ = ["SUPPORTED_RATES", "AlignedResampler", "ResamplerSpec", "StreamResampler", "resample_signal"]
 
 # NOTE: 22.05 kHz is the rate of Piper `medium` voices (the talker's opt-in engine).
 SUPPORTED_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
@@ -216,6 +216,25 @@ class StreamResampler:
         keep_from = min(next_newest - (taps - 1), self._num_in - (taps - 1))
         self._history = history[keep_from - self._history_start :].copy()
         self._history_start = keep_from
+        return out
+
+
+class AlignedResampler:
+    """A `StreamResampler` whose output starts at input sample 0: the filter's first ``delay_out`` outputs
+    (which precede it) are dropped, so output sample i lies at ``i / rate_out`` s on the input's timeline; the
+    input's last ``delay_out`` outputs' worth comes out with the next chunk."""
+
+    def __init__(self, rate_in: int, rate_out: int) -> None:
+        self._resampler = StreamResampler(rate_in, rate_out)
+        self.spec = self._resampler.spec
+        self._num_to_drop = self.spec.delay_out
+
+    def process(self, samples: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
+        """float32 output for the next chunk of float input (as `StreamResampler.process`), aligned."""
+        out = self._resampler.process(samples)
+        if self._num_to_drop:
+            num_dropped = min(self._num_to_drop, out.size)
+            out, self._num_to_drop = out[num_dropped:], self._num_to_drop - num_dropped
         return out
 
 

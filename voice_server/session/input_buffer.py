@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_float32
+from voice_server.audio import AlignedResampler, float32_to_pcm16, pcm16_to_float32
 from voice_server.session.conversation import SPEECH_RATE
 
 __all__ = ["MAX_BUFFER_S", "TRIM_SLACK_S", "InputBuffer"]
@@ -36,10 +36,8 @@ class InputBuffer:
         """The input's rate (what `append` takes)."""
         self.num_samples = 0
         """Input samples received in all: the timeline's end is `now_ms`."""
-        self._resampler = None if rate == SPEECH_RATE else StreamResampler(rate, SPEECH_RATE)
-        self._num_to_drop = 0 if self._resampler is None else self._resampler.spec.delay_out
-        """The resampler's delay: dropped from its first outputs, so 16 kHz sample i is at i / 16 ms on the
-        timeline (the last `delay_out` of the input come out with the next chunk)."""
+        self._resampler = None if rate == SPEECH_RATE else AlignedResampler(rate, SPEECH_RATE)
+        """16 kHz sample i is at i / 16 ms on the timeline."""
         self._chunks: list[npt.NDArray[np.int16]] = []
         self._start = 0
         """16 kHz index on the timeline of the first buffered sample..."""
@@ -62,9 +60,6 @@ class InputBuffer:
         speech = pcm16
         if self._resampler is not None:
             speech = float32_to_pcm16(self._resampler.process(pcm16_to_float32(pcm16)))
-            if self._num_to_drop:
-                num_dropped = min(self._num_to_drop, speech.size)
-                speech, self._num_to_drop = speech[num_dropped:], self._num_to_drop - num_dropped
         kept = speech[max(0, self._start - self._end):]
         self._end += speech.size
         if kept.size:

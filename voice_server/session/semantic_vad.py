@@ -30,7 +30,7 @@ import numpy as np
 import numpy.typing as npt
 import onnxruntime as ort
 
-from voice_server.audio import StreamResampler, pcm16_to_float32, resample_signal
+from voice_server.audio import AlignedResampler, pcm16_to_float32, resample_signal
 from voice_server.session.end_of_turn import (
     HYSTERESIS,
     SPEECH_THRESHOLD,
@@ -135,8 +135,7 @@ class SemanticTurnDetector:
         self.machine = EndOfTurn(config)
         self._vad = SileroVad(self.models.silero)
         self.gate = QuietGate()
-        self._resampler = None if input_rate == MODEL_RATE else StreamResampler(input_rate, MODEL_RATE)
-        self._num_to_drop = 0 if self._resampler is None else self._resampler.spec.delay_out
+        self._resampler = None if input_rate == MODEL_RATE else AlignedResampler(input_rate, MODEL_RATE)
 
     @property
     def is_speaking(self) -> bool:
@@ -173,9 +172,6 @@ class SemanticTurnDetector:
             raise ValueError("samples holds non-finite values (NaN or inf)")
         if self._resampler is not None:
             audio = self._resampler.process(audio)
-            if self._num_to_drop:
-                num_dropped = min(self._num_to_drop, audio.size)
-                audio, self._num_to_drop = audio[num_dropped:], self._num_to_drop - num_dropped
         events: list[object] = []
         for probability, level_db in self._vad.feed_windows(audio):
             events.extend(self.machine.step(probability, self.gate.is_quiet(probability, level_db)))

@@ -6,7 +6,7 @@ times in ms of the session's input timeline (all audio fed since the detector wa
 ``audio_start_ms`` / ``audio_end_ms``).
 
 Frames: webrtcvad classifies 20 ms frames of 16-bit PCM at 8/16/32/48 kHz. Input at 8, 16 or 48 kHz is
-classified as is; 24 kHz goes through ``StreamResampler`` to 16 kHz, whose first ``delay_out`` outputs
+classified as is; 24 kHz goes through ``AlignedResampler`` to 16 kHz, whose first ``delay_out`` outputs
 are dropped so that VAD frame ``f`` is exactly input ``[20 f, 20 f + 20)`` ms: times are never late by
 the filter's delay, which shows only as latency (``delay_in`` input samples, 2.5 ms, before a frame is
 complete). Input is held until it completes a frame and a partial frame is kept for the next
@@ -60,7 +60,7 @@ import numpy as np
 import numpy.typing as npt
 import webrtcvad
 
-from voice_server.audio import StreamResampler, float32_to_pcm16, pcm16_to_bytes, pcm16_to_float32
+from voice_server.audio import AlignedResampler, float32_to_pcm16, pcm16_to_bytes, pcm16_to_float32
 from voice_server.session.turn_config import TurnDetectionConfig
 
 __all__ = [
@@ -149,10 +149,9 @@ class TurnDetector:
         self._num_silent_frames = self.num_stop_frames + hangover_long
         """Frames between the end of speech and the stop: the unvoiced run and webrtcvad's hangover."""
         self._vad = webrtcvad.Vad(self.vad_mode)
-        self._resampler = None if input_rate in _VAD_RATES else StreamResampler(input_rate, _RESAMPLE_RATE)
+        self._resampler = None if input_rate in _VAD_RATES else AlignedResampler(input_rate, _RESAMPLE_RATE)
         self._vad_rate = input_rate if self._resampler is None else _RESAMPLE_RATE
         self._frame_len = self._vad_rate * FRAME_MS // 1000
-        self._num_to_drop = 0 if self._resampler is None else self._resampler.spec.delay_out
         self._held: list[npt.NDArray[np.generic]] = []  # input chunks not yet resampled / classified
         self._num_input = 0  # input samples fed in all
         self._pending = np.zeros(0, dtype=np.int16)  # VAD-rate samples of the next, partial frame
@@ -239,13 +238,7 @@ class TurnDetector:
 
     def _resample(self, block: npt.NDArray[np.float32]) -> npt.NDArray[np.int16]:
         assert self._resampler is not None
-        out = self._resampler.process(block)
-        if self._num_to_drop:
-            # NOTE: the filter's delay: these outputs precede input sample 0 on the timeline.
-            num_dropped = min(self._num_to_drop, len(out))
-            out = out[num_dropped:]
-            self._num_to_drop -= num_dropped
-        return float32_to_pcm16(out)
+        return float32_to_pcm16(self._resampler.process(block))
 
     def _step(self, is_voiced: bool) -> TurnEvent | None:
         """Advance one frame; the event it completes, if any."""
