@@ -5,6 +5,11 @@ to Python; bad input refused."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from tiny_llama import tiny_llama
@@ -74,6 +79,22 @@ def test_fused_layers_match_the_python_layers() -> None:
         assert (a - b).abs().mean() <= 0.002 * b.abs().max()
     kv_err = (fused_cache.kv - python_cache.kv).abs().max()
     assert kv_err <= 0.02 * python_cache.kv.abs().max()
+
+
+def test_an_avx2_cpu_runs_them_too() -> None:
+    """An AVX2-only CPU's path (its own norms, SiLU and attention) against the Python layers: here
+    directly where that is the host's best path, else in a process capped to it (`ISA_ENV`)."""
+    best = kernels.best_impl()
+    if best < kernels.IMPLS["avx2"]:
+        pytest.skip("this CPU has no AVX2 path")
+    if best == kernels.IMPLS["avx2"] or os.environ.get(kernels.ISA_ENV) == "avx2":
+        return  # NOTE: the other tests of this file run the AVX2 path already
+    env = {**os.environ, kernels.ISA_ENV: "avx2"}
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+         "match_the_python_layers or alone_and_in_a_crowd or fp16_cache or thread_count"],
+        env=env, cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and " 4 passed" in out.stdout, out.stdout[-3000:] + out.stderr[-2000:]
 
 
 def test_qkv_bias_and_untied_head() -> None:

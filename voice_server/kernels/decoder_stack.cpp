@@ -60,7 +60,7 @@ Stack& stack_at(int64_t handle) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Row operations (one fixed order per row; the vector path is used where the CPU has AVX512)
+// Row operations (one fixed order per row, on the step's vector path: AVX512, AVX2 or scalar)
 // ------------------------------------------------------------------------------------------------
 
 VS_AVX512 void rms_norm_avx512(const float* x, const float* w, int64_t n, float eps, float* y) {
@@ -94,6 +94,37 @@ VS_AVX512 void silu_mul_avx512(const float* gate, const float* up, int64_t n, fl
     const __m512 g = _mm512_loadu_ps(gate + i);
     const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
     _mm512_storeu_ps(act + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(up + i)));
+  }
+  for (; i < n; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+}
+
+VS_AVX2 void rms_norm_avx2(const float* x, const float* w, int64_t n, float eps, float* y) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = 0.0f;
+  for (float lane : lanes) sum += lane;
+  for (; i < n; ++i) sum += x[i] * x[i];
+  const float inv_f = 1.0f / std::sqrt(sum / static_cast<float>(n) + eps);
+  const __m256 inv = _mm256_set1_ps(inv_f);
+  for (i = 0; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), inv), _mm256_loadu_ps(w + i)));
+  }
+  for (; i < n; ++i) y[i] = x[i] * inv_f * w[i];
+}
+
+VS_AVX2 void silu_mul_avx2(const float* gate, const float* up, int64_t n, float* act) {
+  int64_t i = 0;
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gate + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
   }
   for (; i < n; ++i) act[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
@@ -163,9 +194,8 @@ void run_layer(Impl impl, Stack& st, int64_t li, float* x, const Step& s) {
   const Layer& layer = st.layers[li];
   const int64_t m = s.rows, h = st.hidden, d = st.head_dim, nh = st.num_heads, nkv = st.num_kv_heads;
   const int64_t width = (nh + 2 * nkv) * d, inter = st.intermediate;
-  const bool vec = impl == kAvx512;
-  auto norm = vec ? rms_norm_avx512 : rms_norm_scalar;
-  auto silu_mul = vec ? silu_mul_avx512 : silu_mul_scalar;
+  auto norm = impl == kAvx512 ? rms_norm_avx512 : impl == kAvx2 ? rms_norm_avx2 : rms_norm_scalar;
+  auto silu_mul = impl == kAvx512 ? silu_mul_avx512 : impl == kAvx2 ? silu_mul_avx2 : silu_mul_scalar;
   for (int64_t r = 0; r < m; ++r) norm(x + r * h, layer.input_norm, h, st.eps, st.normed.data() + r * h);
   float* qkv = st.qkv.data();
   linear(impl, st, st.normed.data(), m, h, layer.qkv, qkv);
@@ -184,7 +214,7 @@ void run_layer(Impl impl, Stack& st, int64_t li, float* x, const Step& s) {
   std::memset(attn, 0, static_cast<size_t>(m * nh * d) * sizeof(float));
   const AttnProblem p{qkv, width, d, k_cache, v_cache, s.is_half, s.page_index, s.page_size, nh, nkv, d,
                       1.0f / std::sqrt(static_cast<float>(d)), attn};
-  paged_attention(p, s.seqs.data(), static_cast<int64_t>(s.seqs.size()), vec);
+  paged_attention(p, s.seqs.data(), static_cast<int64_t>(s.seqs.size()), impl);
   float* proj = st.proj.data();
   linear(impl, st, attn, m, nh * d, layer.o, proj);
   for (int64_t r = 0; r < m; ++r) add_rows(x + r * h, proj + r * h, h);

@@ -57,9 +57,9 @@ struct AttnProblem {
   float* out;  // [rows, H, D] contiguous
 };
 
-// Every (sequence, KV head) of `seqs` (parallel over them); `is_vector`: the AVX512 path.
-void paged_attention(const AttnProblem& p, const AttnSeq* seqs, int64_t num_seqs, bool is_vector);
-bool host_has_avx512();
+// Every (sequence, KV head) of `seqs` (parallel over them), on `impl`'s vector path (a resolved Impl;
+// head_dim must be a multiple of 16 and at most 256 for a vector path, else the scalar loops run).
+void paged_attention(const AttnProblem& p, const AttnSeq* seqs, int64_t num_seqs, Impl impl);
 
 // exp for x <= ~88: Cephes' polynomial on x - n ln2, then scalef by 2^n (~2 ulp); -inf gives ~0.
 VS_AVX512 inline __m512 exp512(__m512 x) {
@@ -76,6 +76,26 @@ VS_AVX512 inline __m512 exp512(__m512 x) {
   y = _mm512_fmadd_ps(y, f, _mm512_set1_ps(5.0000001201e-1f));
   y = _mm512_fmadd_ps(y, _mm512_mul_ps(f, f), _mm512_add_ps(f, _mm512_set1_ps(1.0f)));
   return _mm512_scalef_ps(y, n);
+}
+
+// exp256: exp512's polynomial on 8 lanes; 2^n built in the exponent bits (AVX2 has no scalef), so
+// x is also clamped above (88.0: 2^127 still fits).
+VS_AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), f);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(f, f), _mm256_add_ps(f, _mm256_set1_ps(1.0f)));
+  // NOTE: n in [-126, 127] after the clamps: (n + 127) << 23 is 2^n as a normal float.
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 }  // namespace voice_server

@@ -41,7 +41,7 @@ struct Scratch {
   std::vector<float> parts;  // not std::vector<__m512>: its allocation was not 64-byte aligned here
 };
 
-// The reference path (CPUs without AVX512, and the tests): plain loops, std::exp.
+// The reference path (CPUs without AVX2, and the tests): plain loops, std::exp.
 void attend_scalar(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& scratch) {
   const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
   std::vector<float>& scores = scratch.scores;
@@ -191,28 +191,136 @@ VS_AVX512 void attend_avx512(const AttnProblem& p, const AttnSeq& s, int64_t g, 
   }
 }
 
+// ------------------------------------------------------------------------------------------------
+// AVX2 (8 lanes, FMA, F16C): the same passes as attend_avx512, each 16 values of a row as two vectors
+// ------------------------------------------------------------------------------------------------
+
+// r[i] = the sum of v[i]'s 8 lanes, for 8 vectors 8 floats apart (three rounds of hadd and a lane swap).
+VS_AVX2 inline __m256 reduce8(const float* vecs) {
+  __m256 v[8];
+  for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_ps(vecs + 8 * i);
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // NOTE: a's low 128 bits hold v[0..3]'s low-half sums, its high 128 their high-half sums (b: v[4..7]).
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+template <bool Half>
+VS_AVX2 inline __m256 load8(const void* base, int64_t off) {
+  if (Half) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(base) + off)));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(base) + off);
+}
+
+VS_AVX2 inline float hsum8(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+
+VS_AVX2 inline float hmax8(__m256 v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+}
+
+// NV = head_dim / 16 (1..16), as attend_avx512; a row is 2 * NV vectors of 8.
+template <int NV, bool Half>
+VS_AVX2 void attend_avx2(const AttnProblem& p, const AttnSeq& s, int64_t g, Scratch& scratch) {
+  constexpr int kV = 2 * NV;
+  const int64_t group = p.num_heads / p.num_kv_heads, d = p.head_dim;
+  const int64_t padded = (s.kv_len + 7) / 8 * 8;
+  slot_offsets(p, s, g, scratch.offs);
+  const int64_t* offs = scratch.offs.data();
+  scratch.scores.resize(group * padded);
+  float* scores = scratch.scores.data();
+  scratch.parts.resize(kHeadsPerPass * 8 * 8);
+  float* parts = scratch.parts.data();
+  const __m256 scale = _mm256_set1_ps(p.scale);
+  for (int64_t t = 0; t < std::min(kPrefetch, s.kv_len); ++t) {
+    prefetch_row<NV, Half>(p.k, offs[t]);
+    prefetch_row<NV, Half>(p.v, offs[t]);
+  }
+  for (int64_t h0 = 0; h0 < group; h0 += kHeadsPerPass) {
+    const int hn = static_cast<int>(std::min<int64_t>(kHeadsPerPass, group - h0));
+    const float* q0 = p.q + s.row * p.q_row + (g * group + h0) * p.q_head;
+    // Scores: per key, one partial vector per head; every 8 keys, one transposing reduction.
+    for (int64_t t = 0; t < s.kv_len; ++t) {
+      if (t + kPrefetch < s.kv_len) prefetch_row<NV, Half>(p.k, offs[t + kPrefetch]);
+      if (h0 == 0 && t + kPrefetch < s.kv_len) prefetch_row<NV, Half>(p.v, offs[t + kPrefetch]);
+      __m256 kv[kV];
+      for (int j = 0; j < kV; ++j) kv[j] = load8<Half>(p.k, offs[t] + 8 * j);
+      const int64_t lane = t % 8;
+      for (int h = 0; h < hn; ++h) {
+        const float* qh = q0 + h * p.q_head;
+        __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(qh), kv[0]);
+        for (int j = 1; j < kV; ++j) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * j), kv[j], acc);
+        _mm256_storeu_ps(parts + (h * 8 + lane) * 8, acc);
+      }
+      if (lane == 7 || t == s.kv_len - 1) {
+        for (int h = 0; h < hn; ++h) {
+          for (int64_t i = lane + 1; i < 8; ++i) _mm256_storeu_ps(parts + (h * 8 + i) * 8, _mm256_setzero_ps());
+          _mm256_storeu_ps(scores + (h0 + h) * padded + t - lane, _mm256_mul_ps(reduce8(parts + h * 64), scale));
+        }
+      }
+    }
+    float inv[kHeadsPerPass];
+    for (int h = 0; h < hn; ++h) {
+      float* sc = scores + (h0 + h) * padded;
+      std::fill(sc + s.kv_len, sc + padded, -INFINITY);
+      __m256 mx = _mm256_set1_ps(-INFINITY);
+      for (int64_t t = 0; t < padded; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+      const __m256 m = _mm256_set1_ps(hmax8(mx));
+      for (int64_t t = 0; t < padded; t += 8) _mm256_storeu_ps(sc + t, exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m)));
+      std::fill(sc + s.kv_len, sc + padded, 0.0f);  // NOTE: exp256 clamps, as exp512 does
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t t = 0; t < padded; t += 8) sum = _mm256_add_ps(sum, _mm256_loadu_ps(sc + t));
+      inv[h] = 1.0f / hsum8(sum);
+    }
+    // Values: each V row read once for the heads of this pass; the accumulators live in `out` (16
+    // registers cannot hold 4 heads x head_dim floats), one head's row at a time.
+    for (int h = 0; h < hn; ++h) {
+      float* o = p.out + (s.row * p.num_heads + g * group + h0 + h) * d;
+      for (int j = 0; j < kV; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_setzero_ps());
+    }
+    for (int64_t t = 0; t < s.kv_len; ++t) {
+      if (t + kPrefetch < s.kv_len) prefetch_row<NV, Half>(p.v, offs[t + kPrefetch]);
+      __m256 vv[kV];
+      for (int j = 0; j < kV; ++j) vv[j] = load8<Half>(p.v, offs[t] + 8 * j);
+      for (int h = 0; h < hn; ++h) {
+        float* o = p.out + (s.row * p.num_heads + g * group + h0 + h) * d;
+        const __m256 w = _mm256_set1_ps(scores[(h0 + h) * padded + t]);
+        for (int j = 0; j < kV; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_fmadd_ps(w, vv[j], _mm256_loadu_ps(o + 8 * j)));
+      }
+    }
+    for (int h = 0; h < hn; ++h) {
+      float* o = p.out + (s.row * p.num_heads + g * group + h0 + h) * d;
+      const __m256 iv = _mm256_set1_ps(inv[h]);
+      for (int j = 0; j < kV; ++j) _mm256_storeu_ps(o + 8 * j, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * j), iv));
+    }
+  }
+}
+
 using AttendFn = void (*)(const AttnProblem&, const AttnSeq&, int64_t, Scratch&);
 
 template <int... NV>
-AttendFn pick_attend(int64_t nv, bool is_half, std::integer_sequence<int, NV...>) {
+AttendFn pick_attend(Impl impl, int64_t nv, bool is_half, std::integer_sequence<int, NV...>) {
   AttendFn fn = nullptr;
-  ((nv == NV + 1 ? (fn = is_half ? &attend_avx512<NV + 1, true> : &attend_avx512<NV + 1, false>, 0) : 0), ...);
+  if (impl == kAvx512) {
+    ((nv == NV + 1 ? (fn = is_half ? &attend_avx512<NV + 1, true> : &attend_avx512<NV + 1, false>, 0) : 0), ...);
+  } else if (impl == kAvx2) {
+    ((nv == NV + 1 ? (fn = is_half ? &attend_avx2<NV + 1, true> : &attend_avx2<NV + 1, false>, 0) : 0), ...);
+  }
   return fn;
 }
 
 }  // namespace
 
-bool host_has_avx512() {
-  static const bool has = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
-  }();
-  return has;
-}
-
-void paged_attention(const AttnProblem& p, const AttnSeq* seqs, int64_t num_seqs, bool is_vector) {
-  const AttendFn attend =
-      is_vector ? pick_attend(p.head_dim / 16, p.is_half, std::make_integer_sequence<int, 16>()) : nullptr;
+void paged_attention(const AttnProblem& p, const AttnSeq* seqs, int64_t num_seqs, Impl impl) {
+  // NOTE: nullptr (the scalar loops) for the scalar impl or a head_dim the vector paths do not take.
+  const AttendFn attend = p.head_dim % 16 == 0 && p.head_dim <= 256
+      ? pick_attend(impl, p.head_dim / 16, p.is_half, std::make_integer_sequence<int, 16>()) : nullptr;
   const int64_t kv_heads = p.num_kv_heads;
   at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
@@ -243,7 +351,6 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, cons
               "out must be contiguous fp32 like q");
   const int64_t heads = q.size(1), d = q.size(2), kv_heads = k_pages.size(2);
   TORCH_CHECK(k_pages.size(3) == d && heads % kv_heads == 0, "head_dim or head counts do not match");
-  const bool vector = impl != 1 && host_has_avx512() && d % 16 == 0 && d <= 256;
   const AttnProblem p{q.data_ptr<float>(), q.stride(0), q.stride(1), k_pages.data_ptr(), v_pages.data_ptr(),
                       is_half, page_index.data_ptr<int64_t>(), k_pages.size(1), heads, kv_heads, d,
                       static_cast<float>(scale), out.data_ptr<float>()};
@@ -257,7 +364,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pages, cons
                 "seqs row ", i, " is out of range");
     rows[static_cast<size_t>(i)] = AttnSeq{row, start, kv_len};
   }
-  paged_attention(p, rows.data(), num_seqs, vector);
+  paged_attention(p, rows.data(), num_seqs, resolve_impl(impl));
 }
 
 }  // namespace

@@ -9,7 +9,7 @@ attention here: SDPA over a key axis padded with masked keys differs from the un
 ulp (measured, torch 2.13 CPU), so each sequence gets its own SDPA call over exactly its `kv_len`
 keys rather than one padded call for all decode sequences. Measured cost on SmolLM2 (3 KV heads,
 head_dim 64): ~40 us per call, so ~10 ms per step for 8 sequences x 30 layers. Where our C++ kernels
-run (`voice_server/kernels`, AVX512, fp32 cache), decode rows instead go through one
+run (`voice_server/kernels`, AVX2 or AVX512, fp32 or fp16 cache), decode rows instead go through one
 `paged_decode_attention` call per layer that reads keys and values straight from the pages (no
 gather) and computes each sequence on its own: batch invariant too, equal to SDPA within fp32
 rounding; prefill spans keep SDPA. A w4a8 Llama-family model there skips `attend` altogether: its
@@ -33,10 +33,11 @@ from voice_server.models.layers import causal_mask
 
 def decode_kernel_usable(dtype: torch.dtype, device: torch.device | str) -> bool:
     """Whether `paged_decode_attention` serves this cache: fp32 (or fp16, which only the fused layers
-    write) on a CPU whose kernels run AVX512 (its scalar path is only the reference, slower than SDPA)."""
+    write) on a CPU whose kernels run AVX2 or AVX512 (its scalar path is only the reference, slower than
+    SDPA)."""
     return (
         dtype in (torch.float32, torch.float16) and torch.device(device).type == "cpu" and kernels.available()
-        and kernels.best_impl() >= kernels.IMPLS["avx512"]
+        and kernels.best_impl() >= kernels.IMPLS["avx2"]
     )
 
 

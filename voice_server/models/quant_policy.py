@@ -53,14 +53,17 @@ def default_quantization() -> str:
     359 vs 300 tok/s, TTFT of 206 tokens 223 vs 340 ms; greedy agreement with fp32 1.0 vs 0.89 (3
     prompts) and 0.865 vs 0.78 (12 prompts). With torch's kernels at AVX2
     (`ATEN_CPU_CAPABILITY=avx2`) and our AVX2 path, all linears of a step: 5.0 vs 13.0 ms at 1 row,
-    16.1 vs 26.4 ms at 8 rows. A real AVX2-only CPU was not measured.
+    16.1 vs 26.4 ms at 8 rows. On a real AVX2-only EPYC (no AVX-512, no VNNI), 1 thread, through the
+    runner (`loadtest/bench_llm.py`): decode 95.7 vs 26.3 tok/s, 8 streams 195 vs 76, TTFT of 206
+    tokens 660 vs 1,345 ms (the fused layers on their AVX2 path; with the torch layers w4a8 decoded
+    at 36.6 tok/s there).
 
     NOTE: decode is bound by reading weights, and both weight-only kernels read bf16 activations
     but convert them to fp32 in registers (a shift), so they do not need native bf16: int4 reads
     half the bytes of int8 and was fastest both natively and with `ATEN_CPU_CAPABILITY=avx2` on
     the same AVX512-BF16 EPYC (SmolLM2 decode step, 1 thread, ms: AVX512 int4 11.9 / int8 14.9 /
-    fp32 37.6; AVX2 kernels int4 18.6 / int8 19.6 / fp32 38.0). A real AVX2-only CPU was not
-    measured. Without AVX2 (ARM, old x86) stay on fp32: the kernels' vector paths are x86.
+    fp32 37.6; AVX2 kernels int4 18.6 / int8 19.6 / fp32 38.0). Without AVX2 (ARM, old x86) stay
+    on fp32: the kernels' vector paths are x86.
 
     NOTE: `w8a8` (int8 activations per row, `torch._int_mm`) is not the default even with
     AVX512-VNNI: on SmolLM2 its greedy agreement with fp32 is 0.54 (int4 0.86) with a first-token

@@ -38,7 +38,7 @@ class DecoderRunnerConfig:
     sampler_seed: int | None = None
     """Seeds the generators of requests that give no seed (None: nondeterministic)."""
     kv_cache_dtype: str = "auto"
-    """`auto`: fp16 where the model's layers run as one C++ call per step (w4a8 on an AVX512 CPU:
+    """`auto`: fp16 where the model's layers run as one C++ call per step (w4a8 on an AVX2 or AVX512 CPU:
     half the cache memory and half the attention's memory traffic, llama.cpp's default), else `model`;
     `model`: the residual stream's dtype; `fp16`: refused where the fused layers do not run."""
     compile: bool = False
@@ -73,7 +73,7 @@ def kv_cache_dtype_for(model: nn.Module, residual_dtype: torch.dtype, device: to
     )
     if kv_cache_dtype == "fp16" and not is_half_ok:
         raise ValueError("DecoderRunnerConfig.kv_cache_dtype: fp16 needs the fused C++ layers (a w4a8 "
-                         "Llama-family model with fp32 activations on an AVX512 CPU, compile off)")
+                         "Llama-family model with fp32 activations on an AVX2 or AVX512 CPU, compile off)")
     return torch.float16 if is_half_ok and kv_cache_dtype != "model" else residual_dtype
 
 
