@@ -81,12 +81,13 @@ def test_fused_layers_match_the_python_layers() -> None:
     assert kv_err <= 0.02 * python_cache.kv.abs().max()
 
 
+@pytest.mark.environment
 def test_an_avx2_cpu_runs_them_too() -> None:
     """An AVX2-only CPU's path (its own norms, SiLU and attention) against the Python layers: here
     directly where that is the host's best path, else in a process capped to it (`ISA_ENV`)."""
     best = kernels.best_impl()
     if best < kernels.IMPLS["avx2"]:
-        pytest.skip("this CPU has no AVX2 path")
+        pytest.skip("this CPU has no AVX2 (the kernels' vector paths are x86)")
     if best == kernels.IMPLS["avx2"] or os.environ.get(kernels.ISA_ENV) == "avx2":
         return  # NOTE: the other tests of this file run the AVX2 path already
     env = {**os.environ, kernels.ISA_ENV: "avx2"}
