@@ -93,8 +93,17 @@ def say(ws: ClientConnection, audio: np.ndarray) -> SpokenTurn:
     return turn
 
 
+LEAD_S = 0.3
+"""Silence before the reply when it is transcribed, as a listener hears it: after the turn's gap."""
+
+
 def heard(pcm16: bytes, rate: int) -> str:
-    return transcribe(pcm16_from_bytes(pcm16).astype(np.float32) / 32768.0, rate)
+    # NOTE: the reply's first clause starts speaking within ~10 ms of its first sample (the talker trims
+    # the engine's lead-in), and PocketSphinx drops a word that opens its input with no silence before
+    # it: "The capital of France is Paris." was heard as "capital of france ..." on an AVX2-only EPYC
+    # (hibari's ONNX arithmetic differs slightly from an AVX-512 machine's), "the capital ..." after this.
+    reply = pcm16_from_bytes(pcm16).astype(np.float32) / 32768.0
+    return transcribe(np.concatenate([np.zeros(int(LEAD_S * rate), np.float32), reply]), rate)
 
 
 def open_session(port: int) -> ClientConnection:
