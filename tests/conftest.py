@@ -35,6 +35,15 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "environment: the test may skip because the machine lacks something (root, CUDA); "
         "the only skips VOICE_SERVER_NO_SKIP=1 allows",
     )
+    config.addinivalue_line(
+        "markers", "long_running: a module whose tests take a minute or more in all; collected first",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # NOTE: `make test`'s xdist workers take whole files in collection order: a file of minutes that came
+    # last would leave one worker running it alone at the end. A stable sort keeps every other order.
+    items.sort(key=lambda item: item.get_closest_marker("long_running") is None)
 
 
 def _skip_reason(longrepr: object) -> str:

@@ -13,9 +13,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "loadtest"))
 from soak import soak  # noqa: E402
+
+pytestmark = pytest.mark.long_running
 
 GROSS_LEAK_MB = 100.0  # NOTE: catches a gross leak only; whether memory is flat is `make soak`'s to judge
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.long_running
+
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = (
     "import logging, torch\n"

@@ -27,6 +27,8 @@ from voice_server.models.quant import (
 from voice_server.models.quant_w8a8 import quantize_activation_rows
 from voice_server.runners.generate import forced_next_ids, generate_greedy
 
+pytestmark = pytest.mark.long_running
+
 torch.set_num_threads(1)
 
 TINY = tiny_llama(hidden_size=64, intermediate_size=96, head_dim=16, eos_token_ids=(), tie_word_embeddings=True)

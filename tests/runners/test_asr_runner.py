@@ -19,6 +19,8 @@ from voice_server.runners.asr_runner import AsrRunner
 from voice_server.scheduling import AdmissionError, CapacityError, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
 
+pytestmark = pytest.mark.long_running
+
 
 @pytest.fixture(scope="module")
 def pool() -> DecoderPool:

@@ -31,6 +31,8 @@ from ray_cluster import HEAD_IP, ROLE, WORKER_IP, TwoNodeCluster
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.requests import RequestError
 
+pytestmark = pytest.mark.long_running
+
 torch.set_num_threads(1)
 pytest.importorskip("ray")
 pytest.importorskip("mooncake.engine")

@@ -25,6 +25,8 @@ from voice_server.config import pipeline_from_dict
 from voice_server.config.loading import read_yaml
 from voice_server.session.realtime.capabilities import IMAGES
 
+pytestmark = pytest.mark.long_running
+
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3-omni-tiny.yaml"
 # NOTE: random weights may end the reply at once; a fixed length keeps the talker fed.
 PARAMS = {"sampling": {"max_tokens": 8, "ignore_eos": True}, "talker": {"max_frames": 16}}

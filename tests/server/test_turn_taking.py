@@ -36,6 +36,8 @@ from voice_server.config.loading import load_pipeline
 from voice_server.session.events import InputTranscriptDone, ResponsePaused, ResponseResumed, SpeechStarted
 from voice_server.session.twilio.settings import TwilioSettings
 
+pytestmark = pytest.mark.long_running
+
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 FRAME = ASR_RATE // 50
 
