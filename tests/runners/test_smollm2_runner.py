@@ -15,8 +15,9 @@ from voice_server.models.llama import load_gguf_with_tokenizer
 from voice_server.models.llama.loader import find_smollm2_gguf
 from voice_server.runners import DecoderRunner, DecoderRunnerConfig
 from voice_server.runners.admission import MAX_MESSAGES, MAX_PAYLOAD_MESSAGES, admit
-from voice_server.scheduling import AdmissionError, WorkItem, WorkKind
+from voice_server.scheduling import AdmissionError, ARScheduler, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
+from voice_server.session.end_of_turn import MIN_TEXT_COMPLETE
 
 torch.set_num_threads(1)
 
@@ -147,3 +148,49 @@ def test_a_conversation_longer_than_the_model_loses_its_oldest_turns(runner: Dec
                        params), rules)
     with pytest.raises(AdmissionError, match=f"at most {MAX_PAYLOAD_MESSAGES}"):
         admit(WorkItem("r", WorkKind.NEW, {"messages": many * 11}, params), rules)
+
+
+def _first_stream(runner: DecoderRunner, item: WorkItem, max_step_tokens: int) -> dict[str, Any]:
+    """The first STREAM payload of `item` (admitted) through the real AR scheduler and `runner`."""
+    sched = ARScheduler(runner.ar_spec, max_batch_size=4, max_step_tokens=max_step_tokens)
+    sched.add(item, 0.0)
+    while (batch := sched.schedule(0.0)) is not None:
+        for emit in sched.update(batch, runner.execute(batch)):
+            if emit.kind is EmitKind.STREAM:
+                sched.abort(item.request_id)
+                runner.release(item.request_id)
+                return emit.payload
+    raise AssertionError("no output")
+
+
+@pytest.mark.parametrize("max_step_tokens", [256, 4])
+def test_the_first_token_carries_how_likely_the_users_words_end_there(
+        loaded: Any, runner: DecoderRunner, max_step_tokens: int) -> None:
+    model, tokenizer = loaded
+    im_end = tokenizer.tokenizer.token_to_id("<|im_end|>")
+    ends = [im_end, *(tokenizer.tokenizer.token_to_id(t) for t in ".?!")]
+    scores = {}
+    for i, words in enumerate(["what is the capital of france", "i need to buy some", "my name is"]):
+        messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": words}]
+        item = runner.admit(WorkItem(f"t{i}", WorkKind.NEW, {"messages": messages}, {"score_turn_end": True}))
+        ids, pos = item.payload["token_ids"], item.payload["turn_end_pos"]
+        # NOTE: the user's last word, right before the end marker of the last message (the generation prompt follows)
+        assert ids[pos + 1] == im_end and im_end not in ids[pos + 2:]
+        assert tokenizer.decode(ids[:pos + 1]).endswith(words)
+        # max_step_tokens=4: the scored row is computed in a chunk before the one that samples
+        payload = _first_stream(runner, item, max_step_tokens)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[:pos + 1]]), torch.arange(pos + 1)[None])[0, -1]
+        expected = float(torch.softmax(logits, -1)[ends].sum())
+        assert payload["turn_end_p"] == pytest.approx(expected, rel=1e-3, abs=1e-6)
+        scores[words] = payload["turn_end_p"]
+    assert scores["what is the capital of france"] > MIN_TEXT_COMPLETE > max(scores["i need to buy some"],
+                                                                             scores["my name is"])
+    # Not asked for, or no user message last: no score.
+    for payload_, params in [({"messages": [{"role": "user", "content": "hi"}]}, {}),
+                             ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hi"}]},
+                              {"score_turn_end": True}),
+                             ({"prompt": "hi"}, {"score_turn_end": True})]:
+        item = runner.admit(WorkItem("u", WorkKind.NEW, payload_, params))
+        assert "turn_end_pos" not in item.payload
+        assert "turn_end_p" not in _first_stream(runner, item, 256)

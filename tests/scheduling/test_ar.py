@@ -375,3 +375,32 @@ def test_a_spec_that_is_not_prefix_cacheable_turns_the_cache_off() -> None:
 
     sched = SCHEDULER_BUILDERS["ar"](stage, Talkerish())
     assert isinstance(sched, ARScheduler) and not sched.cache.is_enabled
+
+
+def test_the_turn_end_row_rides_with_the_chunk_that_computes_it_and_never_comes_from_the_cache() -> None:
+    sched, runner = make(max_step_tokens=8)
+    prompt = list(range(1, 21))
+    sched.add(WorkItem("a", WorkKind.NEW, {"token_ids": prompt, "turn_end_pos": 10}, {"sampling": {"max_tokens": 2}}),
+              0.0)
+    rows = []
+    while (batch := step(sched, runner)[0]) is not None:
+        rows += [(s.start_pos, s.turn_end_row) for s in batch.seqs]
+    assert rows == [(0, None), (8, 2), (16, None), (20, None)]  # position 10 = row 2 of the chunk from 8
+    # The same prompt again: its first 16 tokens are cached, but position 10 is computed (and scored) anew,
+    # from the last full page before it.
+    sched.add(WorkItem("b", WorkKind.NEW, {"token_ids": prompt, "turn_end_pos": 10}, {"sampling": {"max_tokens": 1}}),
+              0.0)
+    batch, _ = step(sched, runner)
+    assert batch is not None and [(s.start_pos, s.turn_end_row) for s in batch.seqs] == [(8, 2)]
+    run_all(sched, runner)
+    sched.add(new("c", prompt, max_tokens=1), 0.0)  # NOTE: not scored: the cache serves all it can
+    batch, _ = step(sched, runner)
+    assert batch is not None and [(s.start_pos, s.turn_end_row) for s in batch.seqs] == [(16, None)]
+
+
+def test_a_turn_end_pos_outside_the_prompt_is_refused() -> None:
+    sched, _ = make()
+    with pytest.raises(ValueError, match="payload.turn_end_pos"):
+        sched.add(WorkItem("a", WorkKind.NEW, {"token_ids": [1, 2, 3], "turn_end_pos": 3}, {}), 0.0)
+    with pytest.raises(ValueError, match="payload.turn_end_pos"):
+        sched.add(WorkItem("a", WorkKind.NEW, {"token_ids": [1, 2, 3], "turn_end_pos": -1}, {}), 0.0)

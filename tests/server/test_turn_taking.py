@@ -4,7 +4,8 @@ through a real server and real stage processes, with speech synthesised at test 
 - a complete question is answered once, and its response was started speculatively at the pause;
 - a sentence with a hesitation at a comma is answered once, after the whole sentence: the pause's
   speculative response is thrown away when the speaker goes on, and leaves nothing behind in any stage
-  (requests, KV pages, relay slots);
+  (requests, KV pages, relay slots); so is one that sounds finished at its pause, on the thinker's reading
+  of its words;
 - what the response reports (`end_of_speech`, `first_audible`) and `/metrics` count agree;
 - a backchannel over a reply pauses it and it resumes; a real barge-in pauses it, then starts the user's
   turn and cuts the reply to what was heard;
@@ -114,6 +115,24 @@ def test_a_hesitation_is_not_a_turn_end_and_its_speculation_leaves_nothing_behin
         before, "voice_server_speculative_responses_total", outcome="discarded")
     print(f"transcript {transcript!r}, speculations discarded {discarded}, timings {turn.events[-1]['timings_ms']}")
     assert discarded >= 1  # NOTE: the hesitation's (likely) pause speculated, and the speaker went on
+    ws.close()
+    assert_nothing_left(default)
+
+
+def test_words_the_thinker_reads_as_unfinished_hold_a_turn_that_sounds_finished(default: SessionServer) -> None:
+    # NOTE: at the pause after "some" Smart Turn hears a finished sentence (0.70 here) and no word rule holds
+    # ("some" can end one: "I'll have some."). The thinker, reading "i need to buy some" in the speculative
+    # response's prefill, gives its end 0.0001 (`turn_end_p`): the commit waits, and the speaker goes on. Without
+    # that, the turn ended at "some" (the reply answered "i need to buy some").
+    text = "I need to buy some, milk and bread before the shop closes."
+    ws = open_session(default.port)
+    turn = say(ws, hesitant_speech(text, pause_s=0.6))
+    kinds = [e["type"] for e in turn.events]
+    transcript = turn.of("input_transcript_done")[-1]["transcript"]
+    print(f"transcript {transcript!r}, events {kinds}")
+    assert kinds.count("response_started") == 1 and kinds.count("speech_stopped") == 1, kinds
+    assert "shop" in transcript or "closes" in transcript, transcript
+    assert turn.events[-1]["status"] == "completed"
     ws.close()
     assert_nothing_left(default)
 

@@ -16,6 +16,7 @@ from voice_server.session.end_of_turn import (
     SilenceStarted,
     SpeechResumed,
     hypotheses_suggest_more,
+    text_suggests_more,
     words_suggest_more,
 )
 from voice_server.session.turn_config import (
@@ -228,6 +229,13 @@ def test_semantic_vad_config_is_openais() -> None:
     ("thank you", False), ("Because.", True)])
 def test_words_that_cannot_end_a_sentence_hold_the_turn_open(words: str, is_more: bool) -> None:
     assert words_suggest_more(words) is is_more
+
+
+@pytest.mark.parametrize(("turn_end_p", "is_more"), [(None, False), (0.0, True), (0.0019, True), (0.002, False),
+                                                    (0.9, False)])
+def test_the_thinkers_reading_of_the_words_holds_the_turn_under_its_threshold(turn_end_p: float | None,
+                                                                               is_more: bool) -> None:
+    assert text_suggests_more(turn_end_p) is is_more
 
 
 @pytest.mark.parametrize(("final", "partial", "alternatives", "is_more"), [

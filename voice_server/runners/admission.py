@@ -8,6 +8,9 @@ and `params["tools"]` [{"name", "description", "parameters"}] go into the prompt
 which also checks `params["tool_choice"]`, enforced by the session, never in the prompt),
 `{"prompt": str}` or `{"token_ids": [int, ...]}`; an empty payload only for a streamed request
 (its input arrives as CHUNKs). CHUNK payloads: `{"text": str}` or `{"token_ids": [...]}`.
+With `params["score_turn_end"]` true and `messages` that end with the user's, the admitted payload also
+names the position of the user's last token (`turn_end_pos`: the token before the message's end marker),
+whose next-token distribution the runner scores: how likely the user's words end there (`turn_end_p`).
 Every refusal is an `AdmissionError` naming the offending field.
 """
 
@@ -51,6 +54,8 @@ class AdmissionRules:
     encode: Encode | None = None
     """Text -> ids; None when the stage has no tokenizer (only `token_ids` is accepted)."""
     encode_chat: EncodeChat | None = None
+    end_of_message_id: int | None = None
+    """The chat template's end-of-message token (ChatML's `<|im_end|>`); None: no `turn_end_pos`."""
 
     def __post_init__(self) -> None:
         if self.vocab_size < 1 or self.max_model_len < 2:
@@ -78,9 +83,27 @@ def admit(item: WorkItem, rules: AdmissionRules) -> WorkItem:
         if not payload and item.is_stream:
             return dataclasses.replace(item, payload={"token_ids": []}, params=params)
         token_ids = _new_token_ids(payload, rules, params["sampling"]["max_tokens"], tools)
+        end_pos = _turn_end_pos(payload, params, token_ids, rules)
+        if end_pos is not None:
+            return dataclasses.replace(item, payload={"token_ids": token_ids, "turn_end_pos": end_pos}, params=params)
     else:
         token_ids = _chunk_token_ids(payload, rules)
     return dataclasses.replace(item, payload={"token_ids": token_ids}, params=params)
+
+
+def _turn_end_pos(payload: dict[str, Any], params: dict[str, Any], token_ids: list[int],
+                  rules: AdmissionRules) -> int | None:
+    """The position of the user's last token, where asked for and the prompt ends with the user's message."""
+    messages = payload.get("messages")
+    if params.get("score_turn_end") is not True or rules.end_of_message_id is None or not messages:
+        return None
+    last = messages[-1]
+    if last.get("role") != "user" or not isinstance(last.get("content"), str) or (
+            rules.end_of_message_id not in token_ids):
+        return None  # NOTE: words only: the end of an audio or image part says nothing of the speaker's sentence
+    # NOTE: the generation prompt after the user's message holds no end marker, so the last one is the user's.
+    end = len(token_ids) - 1 - token_ids[::-1].index(rules.end_of_message_id)
+    return end - 1 if end >= 1 else None
 
 
 def merged_sampling_params(params: dict[str, Any], defaults: SamplingParams) -> dict[str, Any]:

@@ -3,6 +3,12 @@
 One `execute` is one forward over the flat tokens of every sequence in the batch (prefill chunks
 and decode tokens together), then one vectorised sampling of the sequences that sample, then one
 `.tolist()` of the sampled ids: the only host sync of the step.
+
+A request whose prompt ends with the user's message may ask how likely the user's words end where they
+do (`ARSeq.turn_end_row`): the probability that the next token is the message's end marker or a sentence
+end (`TURN_END_MARKS`), from the same forward, streamed as `turn_end_p` with its first token. A speaker cut
+off mid-sentence ("i need to buy some") scores ~0, a whole question 0.02-0.9 (SmolLM2-135M,
+docs/BENCHMARKS.md): what a session weighs, with the audio's end-of-turn score, to end a spoken turn.
 """
 
 from __future__ import annotations
@@ -27,6 +33,16 @@ from voice_server.scheduling import Runner, WorkItem
 from voice_server.scheduling.contract import ARBatch, ARResult, ARSeq, ARSpec, SeqOutput
 
 log = logging.getLogger(__name__)
+
+END_OF_MESSAGE = "<|im_end|>"
+"""ChatML's end of a message (SmolLM2, Qwen): the chat templates this runner serves."""
+TURN_END_MARKS = (".", "?", "!")
+"""Tokens that end the user's sentence: a recogniser's transcript has no punctuation, and a whole question
+is more often continued by "?" than closed at once."""
+
+
+def _token_id(tokenizer: GGUFTokenizer | None, text: str) -> int | None:
+    return None if tokenizer is None else tokenizer.tokenizer.token_to_id(text)
 
 
 class DecoderRunner(Runner[ARBatch, ARResult]):
@@ -105,7 +121,12 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             sampling_defaults=config.sampling_defaults,
             encode=tokenizer.encode if tokenizer is not None else None,
             encode_chat=tokenizer.encode_chat if tokenizer is not None else None,
+            end_of_message_id=_token_id(tokenizer, END_OF_MESSAGE),
         )
+        ends = [_token_id(tokenizer, t) for t in (END_OF_MESSAGE, *TURN_END_MARKS)]
+        self.turn_end_ids = [i for i in ends if i is not None]
+        self._turn_end_p: dict[str, float] = {}
+        """Scores of requests whose scored row came in a step that did not sample them (a prefill chunk)."""
         self.sampler = Sampler(config.sampler_seed)
         self.detok = Detokenizer(token_bytes_table(tokenizer.tokenizer)) if tokenizer is not None else None
         self.decode_step: CompiledDecodeStep | None = None
@@ -148,6 +169,7 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
 
     def release(self, request_id: str) -> None:
         self.sampler.release(request_id)
+        self._turn_end_p.pop(request_id, None)
         if self.detok is not None:
             self.detok.release(request_id)
 
@@ -168,13 +190,20 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             last_row += len(seq.token_ids)
             if seq.is_sampling:
                 sampling_rows.append(last_row)
-        if not sampling_rows:
+        turn_rows = self._turn_rows(seqs, len(sampling_rows))
+        rows = sampling_rows + [row for _, row in turn_rows]
+        if not rows:
             self._forward(seqs, ids, positions, ctx, [0] * self.head_plan.num_rows(1))
             return ARResult(tuple(SeqOutput(None) for _ in seqs))
         # NOTE: the lm_head is a matrix product too: pad its rows like the step's.
-        num_logits_rows = self.head_plan.num_rows(len(sampling_rows))
-        logits_rows = sampling_rows + [sampling_rows[-1]] * (num_logits_rows - len(sampling_rows))
-        logits = self._forward(seqs, ids, positions, ctx, logits_rows)[: len(sampling_rows)]
+        num_logits_rows = self.head_plan.num_rows(len(rows))
+        logits_rows = rows + [rows[-1]] * (num_logits_rows - len(rows))
+        logits = self._forward(seqs, ids, positions, ctx, logits_rows)[: len(rows)]
+        turn_end_p = self._turn_end_probabilities(turn_rows, logits[len(sampling_rows):])
+        if not sampling_rows:
+            self._turn_end_p.update(turn_end_p)
+            return ARResult(tuple(SeqOutput(None) for _ in seqs))
+        logits = logits[: len(sampling_rows)]
         sampling = [s for s in seqs if s.is_sampling]
         draw = self.sampler.draw(
             logits,
@@ -193,16 +222,39 @@ class DecoderRunner(Runner[ARBatch, ARResult]):
             token = int(next(it))
             piece = self.detok.decode(seq.request_id, token) if self.detok is not None else None
             text = piece.text if piece is not None else ""
-            outputs.append(SeqOutput(token, text, self._output_data(seq, token)))
+            data = self._output_data(seq, token)
+            score = turn_end_p.get(seq.request_id, self._turn_end_p.get(seq.request_id))
+            outputs.append(SeqOutput(token, text, data if score is None else {**data, "turn_end_p": score}))
             pieces.append((seq, piece))
         # NOTE: per-request state moves only now that nothing of the step can raise: a step that raised
         # is re-run (its requests alone), and must then sample, decode and stream what it would have.
         self.sampler.commit(draw)
+        self._turn_end_p.update(turn_end_p)
         for seq, piece in pieces:
             if self.detok is not None and piece is not None:
                 self.detok.commit(seq.request_id, piece)
+            self._turn_end_p.pop(seq.request_id, None)
             self._commit(seq)
         return ARResult(tuple(outputs))
+
+    def _turn_rows(self, seqs: tuple[ARSeq, ...], num_sampling: int) -> list[tuple[str, int]]:
+        """(request id, flat row) of each sequence's scored row (`ARSeq.turn_end_row`) this step."""
+        rows: list[tuple[str, int]] = []
+        offset = 0
+        for seq in seqs:
+            if seq.turn_end_row is not None and self.turn_end_ids:
+                rows.append((seq.request_id, offset + seq.turn_end_row))
+            offset += len(seq.token_ids)
+        # NOTE: the head's row plan holds (batch invariance) up to `max_num_seqs` rows: a step that would go
+        # past it scores nothing, and that request's first token comes without `turn_end_p` (rare: a full
+        # batch sampling while a new prompt's last chunk runs).
+        return rows if num_sampling + len(rows) <= self.config.max_num_seqs else []
+
+    def _turn_end_probabilities(self, rows: list[tuple[str, int]], logits: torch.Tensor) -> dict[str, float]:
+        if not rows:
+            return {}
+        probs = torch.softmax(logits.float(), dim=-1)[:, self.turn_end_ids].sum(dim=-1).tolist()
+        return {request_id: float(p) for (request_id, _), p in zip(rows, probs)}
 
     def _forward(
         self,

@@ -158,7 +158,11 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
                 break
             if request.num_ready_target_tokens == 0:
                 continue  # streaming input with nothing to compute yet: it must not block the rest
-            hit_pages = self.cache.match(request.token_ids[: request.num_cacheable_tokens])
+            num_matchable = request.num_cacheable_tokens
+            if request.turn_end_pos is not None:  # NOTE: the scored row is computed, never served from the cache
+                num_matchable = min(request.num_tokens if num_matchable is None else num_matchable,
+                                    request.turn_end_pos + 1)
+            hit_pages = self.cache.match(request.token_ids[:num_matchable])
             num_hit = len(hit_pages) * self.page_size
             num = min(request.num_ready_target_tokens - num_hit, budget)
             if num <= 0:
@@ -202,9 +206,11 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
         start = request.num_computed_tokens
         is_sampling = request.is_input_done and start + num == request.num_tokens
         is_history = is_sampling and request.sampling.repetition_penalty != 1.0
+        end_pos = request.turn_end_pos
         return ARSeq(
             request.request_id, tuple(request.token_ids[start:start + num]), start, tuple(request.page_ids),
             is_sampling, request.sampling, tuple(request.token_ids) if is_history else (),
+            end_pos - start if end_pos is not None and start <= end_pos < start + num else None,
         )
 
     # -- results -----------------------------------------------------------------------------------
@@ -241,6 +247,7 @@ class ARScheduler(BaseScheduler[ARBatch, ARResult]):
             self._drop(request)
             return [Emit(rid, EmitKind.ERROR, message="runner sampled no token for a sampling sequence")]
         request.token_ids.append(output.token_id)
+        request.turn_end_pos = None  # NOTE: its score went out with this first token
         step = request.stop.append(output.token_id, output.text, request.num_tokens)
         is_final = step.finish_reason is not None
         payload = {"token_ids": [output.token_id], "text": step.delta, **output.data}

@@ -2,7 +2,8 @@
 
 - NEW: `payload.token_ids` (the prompt; empty for a stream whose prompt comes in chunks),
   `num_cacheable_tokens` (leading tokens the prefix cache may serve and fill; null: all) and
-  `max_num_outputs` (the output limit of a feedback stage; null: none), `params.sampling`, and
+  `max_num_outputs` (the output limit of a feedback stage; null: none), `turn_end_pos` (the prompt position
+  of the user's last word, scored for the end of the user's turn; null: none), `params.sampling`, and
   `params.tools` (a list of {name, description, parameters}; non-empty: tool calls are cut out of the
   stream, `tool_calls.py`; `params.tool_choice` is the prompt's business, not read here).
 - CHUNK: prompt `token_ids` (before any output), `is_input_done` (the prompt is whole; DONE says the
@@ -40,6 +41,10 @@ def new_request(item: WorkItem, spec: ARSpec) -> Request:
     request.num_cacheable_tokens = read_count(item.payload, "num_cacheable_tokens")
     request.max_num_outputs = read_count(item.payload, "max_num_outputs")
     extend_prompt(request, token_ids, spec)
+    request.turn_end_pos = read_count(item.payload, "turn_end_pos")
+    if request.turn_end_pos is not None and request.turn_end_pos >= len(token_ids):
+        raise ValueError(f"payload.turn_end_pos: {request.turn_end_pos} is not a position of the "
+                         f"{len(token_ids)}-token prompt")
     return request
 
 

@@ -38,6 +38,9 @@ class Request:
     """When the scheduler first saw an output of this request (`SpeechLead`); None before."""
     tools: ToolCallGate | None = None
     """Cuts tool calls out of the stream when the request offers tools (`params.tools`); None: off."""
+    turn_end_pos: int | None = None
+    """Position of the user's last prompt token, whose next token the runner scores as the end of the user's
+    message (`payload.turn_end_pos`); None: not asked, or already streamed with the first output."""
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

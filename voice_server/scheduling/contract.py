@@ -175,6 +175,9 @@ class ARSeq:
     sampling: SamplingParams
     history: tuple[int, ...] = ()
     """Prompt and output ids so far, set only when sampling needs them (repetition penalty)."""
+    turn_end_row: int | None = None
+    """Index into `token_ids` of the user's last word (`Request.turn_end_pos`): the runner scores how likely
+    the next token ends the user's message, and streams that with the request's first token."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from voice_server.session.end_of_turn import (
     OnsetLost,
     Phase,
     hypotheses_suggest_more,
+    text_suggests_more,
 )
 from voice_server.session.events import (
     InputCommitted,
@@ -42,7 +43,7 @@ from voice_server.session.events import (
 )
 from voice_server.session.input_buffer import InputBuffer
 from voice_server.session.interruptions import InterruptionRules, Verdict, judge
-from voice_server.session.response import Emit
+from voice_server.session.response import Emit, ResponseRun
 from voice_server.session.semantic_vad import SemanticTurnDetector, SilenceStarted, SpeechResumed
 from voice_server.session.streamed_turns import StreamedTurns
 from voice_server.session.vad import SpeechStarted as VadStarted
@@ -51,7 +52,8 @@ from voice_server.session.vad import SpeechStopped as VadStopped
 __all__ = ["Session"]
 
 TRANSCRIPT_WAIT_S = 1.5
-"""The longest a pause's score waits for the pause's final transcript (a failed request never sends one)."""
+"""The longest a pause's score waits for the pause's final transcript and the thinker's first token (a failed
+request never sends them)."""
 
 
 async def _discard(event: SessionEvent) -> None:
@@ -159,23 +161,34 @@ class Session(StreamedTurns):
             self._drop_turn()
             detector.reset()
 
+    def _is_scoring_turn_end(self) -> bool:
+        return isinstance(self.detector, SemanticTurnDetector)
+
     async def _on_score(self, token: int, probability: float) -> None:
         """A pause's end-of-turn score (`PauseScorer`), from its task (a stale token is ignored)."""
         turn = self._turn
-        if turn is not None and turn.is_awaiting_transcript:
-            # NOTE: the words rule weighs the pause's final transcript. Under load the recogniser runs
-            # behind the audio, and its last partial ends wherever it got to ("how many legs does a"),
-            # which would hold a finished turn to the maximum silence. Waiting costs no latency: the held
-            # reply cannot be heard before its transcript anyway.
+        if turn is not None and turn.is_speculating:
+            # NOTE: the words rules weigh the pause's final transcript and the thinker's reading of it. Under
+            # load the recogniser runs behind the audio, and its last partial ends wherever it got to ("how
+            # many legs does a"), which would hold a finished turn to the maximum silence. Waiting costs no
+            # latency: the held reply cannot be heard before its transcript and its first token anyway.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(turn.run.has_held_transcript.wait(), TRANSCRIPT_WAIT_S)
+                await asyncio.wait_for(self._words_of(turn.run), TRANSCRIPT_WAIT_S)
         async with self._turn_lock:
             if not isinstance(self.detector, SemanticTurnDetector):
                 return
             run = self._turn.run if self._turn is not None else None
-            is_unfinished = run is not None and hypotheses_suggest_more(
-                run.held_transcript or "", run.last_partial, run.held_alternatives)
+            is_unfinished = run is not None and (hypotheses_suggest_more(
+                run.held_transcript or "", run.last_partial, run.held_alternatives) or text_suggests_more(
+                run.held_turn_end_p))
             await self._on_turn_events(self.detector.on_score(token, probability, is_unfinished))
+
+    @staticmethod
+    async def _words_of(run: ResponseRun) -> None:
+        """Until a speculative run has its final transcript and, for words, the thinker's first token."""
+        await run.has_held_transcript.wait()
+        if run.held_transcript and run.held_transcript.strip():
+            await run.has_held_reply.wait()
 
     async def _on_speech_stopped(self, event: VadStopped) -> None:
         assert self.detector is not None

@@ -11,8 +11,9 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
     PAUSED --(score >= sure_complete)--> IDLE                                emits SpeechStopped
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
 
-where the words end where a sentence cannot (`is_unfinished`), a score of `min_complete` or more commits
-only after `unfinished_silence_ms` of silence, and a lower one after `max_silence_ms` as before.
+where the words end where a sentence cannot (`is_unfinished`: `hypotheses_suggest_more` on the recogniser's
+hypotheses, or `text_suggests_more` on the thinker's reading of them), a score of `min_complete` or more
+commits only after `unfinished_silence_ms` of silence, and a lower one after `max_silence_ms` as before.
 
 `OnsetHeard` comes a window or more before a turn could open (`num_start_windows` > 1): a reply playing
 may hold its audio at once, and go on at `OnsetLost` (a click, a blip) if the turn never opens.
@@ -45,7 +46,7 @@ from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped
 
 __all__ = ["WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted",
-           "SpeechResumed", "hypotheses_suggest_more", "words_suggest_more"]
+           "SpeechResumed", "hypotheses_suggest_more", "text_suggests_more", "words_suggest_more"]
 
 WINDOW_MS = 32
 SPEECH_THRESHOLD = 0.5
@@ -93,6 +94,20 @@ def hypotheses_suggest_more(final: str, partial: str = "", alternatives: Sequenc
     longer_ok = num_final >= MIN_WORDS_FOR_LONGER
     return any(words_suggest_more(h) for h in (final, partial, *(
         a for a in alternatives if longer_ok or len(a.split()) <= num_final)))
+
+
+MIN_TEXT_COMPLETE = 0.002
+"""Under this probability that the user's message ends where its words do (the thinker's `turn_end_p`), the
+words suggest more. SmolLM2-135M under the default system prompt, on the turn-taking set's text as a
+recogniser writes it (lowercase, no punctuation): its 12 whole questions scored 0.0039-0.91 ("who wrote romeo
+and juliet" the lowest), its 10 hesitations cut at their pause 0.0000-0.0001 but "my flight is on" 0.0081,
+the words before those cuts under 0.002 at 35 of 40 lengths ("i need to buy some": 0.0000), the whole
+hesitation sentences 0.06-0.77 (docs/BENCHMARKS.md). A wrong hold costs `unfinished_silence_ms`."""
+
+
+def text_suggests_more(turn_end_p: float | None) -> bool:
+    """Whether the thinker, reading the turn's final transcript, expects the user to go on (None: no score)."""
+    return turn_end_p is not None and turn_end_p < MIN_TEXT_COMPLETE
 
 
 @dataclass(frozen=True)

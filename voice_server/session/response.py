@@ -95,6 +95,11 @@ class ResponseRun:
         """...the recogniser's other hypotheses where it is unsure of the last word..."""
         self.has_held_transcript = asyncio.Event()
         """...and set then."""
+        self.held_turn_end_p: float | None = None
+        """The thinker's probability that the user's words end where the transcript does (`turn_end_p`, with
+        its first token, where the request asked for it: `score_turn_end`)..."""
+        self.has_held_reply = asyncio.Event()
+        """...set at the thinker's first output (with or without that score), or when the request ended."""
 
     def _since_start_ms(self, at: float) -> float:
         return round(1000.0 * (at - self.started_at), 3)
@@ -143,6 +148,7 @@ class ResponseRun:
         except RequestError as exc:
             return str(exc)
         finally:
+            self.has_held_reply.set()  # NOTE: no output is coming: nothing may wait for one
             await stream.aclose()
         if self.is_held:
             await self._released.wait()  # NOTE: the whole speculative response came back before the commit
@@ -158,7 +164,12 @@ class ResponseRun:
         return ""
 
     def _keep_transcript(self, payload: dict[str, Any]) -> None:
-        """A held output's final transcript, for the turn detector and the interruption judge."""
+        """A held output's final transcript, for the turn detector and the interruption judge, and the
+        thinker's score of the user's words."""
+        if "token_ids" in payload and not self.has_held_reply.is_set():  # NOTE: the thinker's first token
+            score = payload.get("turn_end_p")
+            self.held_turn_end_p = float(score) if isinstance(score, float | int) else None
+            self.has_held_reply.set()
         final = payload.get("input_transcript")
         if not isinstance(final, str):
             return

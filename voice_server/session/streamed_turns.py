@@ -87,7 +87,10 @@ class StreamedTurns(Responses):
         self._drop_turn()
         payload = {"messages": self.conversation.to_messages(self.config.instructions)}
         try:
-            stream = self.coordinator.submit(payload, self.config.request_params(), stream_input=True)
+            params = self.config.request_params()
+            if self._is_scoring_turn_end():
+                params["score_turn_end"] = True  # NOTE: the thinker scores the words at each pause (`core.py`)
+            stream = self.coordinator.submit(payload, params, stream_input=True)
         except RequestError as exc:
             # NOTE: the turn goes on without it; its end falls back to a whole request.
             await self.emit(SessionError("pipeline_unavailable", str(exc)))
@@ -109,6 +112,10 @@ class StreamedTurns(Responses):
             # end then sends the committed audio as a whole request (the pipeline transcribes it then).
             self._drop_turn()
             await self.emit(SessionError("pipeline_overloaded", f"streaming the turn failed: {exc}"))
+
+    def _is_scoring_turn_end(self) -> bool:
+        """Whether the turn detector weighs the thinker's score of the user's words (`semantic_vad`)."""
+        return False
 
     def _speculate(self) -> None:
         """A pause: the turn may be over. End its request's input now (the final transcript, the thinker
