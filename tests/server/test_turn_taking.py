@@ -120,7 +120,7 @@ def test_a_hesitation_is_not_a_turn_end_and_its_speculation_leaves_nothing_behin
 
 
 def test_words_the_thinker_reads_as_unfinished_hold_a_turn_that_sounds_finished(default: SessionServer) -> None:
-    # NOTE: at the pause after "some" Smart Turn hears a finished sentence (0.70 here) and no word rule holds
+    # NOTE: at the pause after "some" Smart Turn hears a finished sentence, not surely (0.70), and no word rule holds
     # ("some" can end one: "I'll have some."). The thinker, reading "i need to buy some" in the speculative
     # response's prefill, gives its end 0.0001 (`turn_end_p`): the commit waits, and the speaker goes on. Without
     # that, the turn ended at "some" (the reply answered "i need to buy some").

@@ -145,6 +145,26 @@ def test_unfinished_words_hold_a_finished_sounding_turn_a_bounded_while(eagernes
     assert stopped.audio_end_ms - pause.speech_end_ms == windows(rules.unfinished_silence_ms) * WINDOW_MS
 
 
+@pytest.mark.parametrize("eagerness", ["low", "medium", "high"])
+def test_the_thinkers_reading_settles_an_unsure_score_and_a_sure_one_outweighs_it(eagerness: str) -> None:
+    rules = EAGERNESS[eagerness]
+    unsure = (rules.min_complete + rules.sure_complete) / 2
+    for score, wait_ms in [(unsure, rules.unfinished_silence_ms), (rules.sure_complete, None)]:
+        machine = EndOfTurn(TurnDetectionConfig(type="semantic_vad", eagerness=eagerness))
+        pause = speak(machine)
+        events = machine.on_score(pause.token, score, is_text_unfinished=True)
+        if wait_ms is None:  # NOTE: sure: it sounds finished, and a misheard question reads as unfinished
+            assert [type(e) for e in events] == [SpeechStopped]
+            continue
+        assert events == []
+        (index, stopped), = run(machine, [0.0] * windows(rules.max_silence_ms))
+        assert stopped.audio_end_ms - pause.speech_end_ms == windows(wait_ms) * WINDOW_MS
+    # Unfinished words hold even a sure score, as before, whatever the thinker reads.
+    machine = EndOfTurn(TurnDetectionConfig(type="semantic_vad", eagerness=eagerness))
+    pause = speak(machine)
+    assert machine.on_score(pause.token, 0.99, is_unfinished=True, is_text_unfinished=False) == []
+
+
 def test_a_speaker_who_goes_on_within_the_unfinished_wait_keeps_the_turn() -> None:
     machine = EndOfTurn(SEMANTIC)
     pause = speak(machine)

@@ -178,10 +178,10 @@ class Session(StreamedTurns):
             if not isinstance(self.detector, SemanticTurnDetector):
                 return
             run = self._turn.run if self._turn is not None else None
-            is_unfinished = run is not None and (hypotheses_suggest_more(
-                run.held_transcript or "", run.last_partial, run.held_alternatives) or text_suggests_more(
-                run.held_turn_end_p))
-            await self._on_turn_events(self.detector.on_score(token, probability, is_unfinished))
+            is_unfinished = run is not None and hypotheses_suggest_more(
+                run.held_transcript or "", run.last_partial, run.held_alternatives)
+            is_text_unfinished = run is not None and text_suggests_more(run.held_turn_end_p)
+            await self._on_turn_events(self.detector.on_score(token, probability, is_unfinished, is_text_unfinished))
 
     @staticmethod
     async def _words_of(run: ResponseRun) -> None:

@@ -12,8 +12,12 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
 
 where the words end where a sentence cannot (`is_unfinished`: `hypotheses_suggest_more` on the recogniser's
-hypotheses, or `text_suggests_more` on the thinker's reading of them), a score of `min_complete` or more
-commits only after `unfinished_silence_ms` of silence, and a lower one after `max_silence_ms` as before.
+hypotheses), a score of `min_complete` or more commits only after `unfinished_silence_ms` of silence, and a
+lower one after `max_silence_ms` as before. So where the thinker reads the words as unfinished
+(`is_text_unfinished`: `text_suggests_more`) and the score is under `sure_complete`: the thinker reads what the
+recogniser heard, and a misheard finished question reads as unfinished as a cut one ("how many links to the
+spider have": 0.0002, Smart Turn 0.985), so a model sure the sentence sounds finished outweighs it, while one
+that is not (0.70 for a pause after "i need to buy some") is settled by it.
 
 `OnsetHeard` comes a window or more before a turn could open (`num_start_windows` > 1): a reply playing
 may hold its audio at once, and go on at `OnsetLost` (a click, a blip) if the turn never opens.
@@ -98,11 +102,13 @@ def hypotheses_suggest_more(final: str, partial: str = "", alternatives: Sequenc
 
 MIN_TEXT_COMPLETE = 0.002
 """Under this probability that the user's message ends where its words do (the thinker's `turn_end_p`), the
-words suggest more. SmolLM2-135M under the default system prompt, on the turn-taking set's text as a
-recogniser writes it (lowercase, no punctuation): its 12 whole questions scored 0.0039-0.91 ("who wrote romeo
-and juliet" the lowest), its 10 hesitations cut at their pause 0.0000-0.0001 but "my flight is on" 0.0081,
-the words before those cuts under 0.002 at 35 of 40 lengths ("i need to buy some": 0.0000), the whole
-hesitation sentences 0.06-0.77 (docs/BENCHMARKS.md). A wrong hold costs `unfinished_silence_ms`."""
+words suggest more. The default thinker as served (SmolLM2-135M, w4a8, its system prompt) on the turn-taking
+set's text as a recogniser writes it (lowercase, no punctuation; `loadtest/bench_turn_text.py`): its 12 whole
+questions scored 0.0055-0.91 ("who wrote romeo and juliet" the lowest), its 10 hesitations cut at their pause
+at most 0.00015 but "my flight is on" 0.0082, the words before those cuts under 0.002 at 35 of 40 lengths ("i
+need to buy some" under 1e-4), the whole hesitation sentences 0.16-0.80. Misheard questions score as low ("how
+many links to the spider have" 0.0002, "how far away is the man" 0.0021), hence only where the audio's score is
+short of sure (`EndOfTurn`); a wrong hold costs `unfinished_silence_ms`."""
 
 
 def text_suggests_more(turn_end_p: float | None) -> bool:
@@ -162,7 +168,9 @@ class EndOfTurn:
         self.score: float | None = None
         """The current pause's end-of-turn probability, once scored."""
         self.is_unfinished = False
-        """Whether the current pause's words end where a sentence cannot (given with its score)."""
+        """Whether the current pause's words end where a sentence cannot (given with its score)..."""
+        self.is_text_unfinished = False
+        """...and whether the thinker reads them as unfinished."""
         self.num_speech_windows = 0
         """Speech windows since the open turn started (its onset's included)."""
         self._num_run = 0
@@ -197,6 +205,7 @@ class EndOfTurn:
             if self._num_run < self.num_pause_windows:
                 return []
             self.phase, self._num_run, self.score, self.is_unfinished = Phase.PAUSED, 0, None, False
+            self.is_text_unfinished = False
             self.token += 1
             return [SilenceStarted(self.speech_end_ms, self.token)]
         num_run_before = self._num_run
@@ -222,19 +231,20 @@ class EndOfTurn:
             return [SpeechResumed(self.now_ms)]
         return self._decide()
 
-    def on_score(self, token: int, probability: float, is_unfinished: bool = False) -> list[object]:
-        """The end-of-turn probability asked for by the `SilenceStarted` carrying `token`, and whether the
-        turn's words so far end where a sentence cannot."""
+    def on_score(self, token: int, probability: float, is_unfinished: bool = False,
+                 is_text_unfinished: bool = False) -> list[object]:
+        """The end-of-turn probability asked for by the `SilenceStarted` carrying `token`, whether the turn's
+        words so far end where a sentence cannot, and whether the thinker reads them as unfinished."""
         if token != self.token or self.phase is not Phase.PAUSED:
             return []
-        self.score, self.is_unfinished = probability, is_unfinished
+        self.score, self.is_unfinished, self.is_text_unfinished = probability, is_unfinished, is_text_unfinished
         return self._decide()
 
     def _decide(self) -> list[object]:
         silence_ms = self.now_ms - self.speech_end_ms
         rules = self.rules
         score = -1.0 if self.score is None else self.score
-        if self.is_unfinished:
+        if self.is_unfinished or (self.is_text_unfinished and score < rules.sure_complete):
             # NOTE: the model hears a finished sentence and the words say otherwise. Either may be wrong: a
             # flat voice cut after "a" sounds done, and a call's recogniser hears "France" as "free and".
             # A listener waits a beat longer, not the whole maximum silence, for the speaker to go on.

@@ -177,10 +177,11 @@ class SemanticTurnDetector:
             events.extend(self.machine.step(probability, self.gate.is_quiet(probability, level_db)))
         return events
 
-    def on_score(self, token: int, probability: float, is_unfinished: bool = False) -> list[object]:
-        """The Smart Turn probability for the pause whose `SilenceStarted` carried `token`, and whether
-        the turn's words end where a sentence cannot (`EndOfTurn.on_score`)."""
-        return self.machine.on_score(token, probability, is_unfinished)
+    def on_score(self, token: int, probability: float, is_unfinished: bool = False,
+                 is_text_unfinished: bool = False) -> list[object]:
+        """The Smart Turn probability for the pause whose `SilenceStarted` carried `token`, whether the
+        turn's words end where a sentence cannot, and whether the thinker reads them so (`EndOfTurn.on_score`)."""
+        return self.machine.on_score(token, probability, is_unfinished, is_text_unfinished)
 
     def score(self, audio: npt.NDArray[np.int16]) -> float:
         """Smart Turn's probability that the turn in `audio` (int16 at the input rate, its last 8 s used)
