@@ -48,7 +48,7 @@ typecheck: install
 # NOTE: the 15 slowest tests are listed last, so a CI log's tail shows where the run's time went.
 # TEST_WORKERS pytest-xdist workers (0: one process), each taking whole files (module fixtures load once).
 # Two by default, for a 2-vCPU machine: most tests are one thread (OMP_NUM_THREADS=1) or wait on the real-time
-# pace of streamed audio, so two at once took the suite from 25:39 to 16:57-18:40 on an AVX2-only EPYC; each worker
+# pace of streamed audio, so two at once took the suite from 25:39 to 15:32-18:40 on an AVX2-only EPYC; each worker
 # may start a whole pipeline of stage processes, so more workers need more cores and memory, not just more jobs.
 TEST_WORKERS ?= 2
 unit: install
