@@ -104,6 +104,30 @@ def test_gpu_check_stops_at_once_without_a_gpu(tmp_path: Path) -> None:
     assert out.returncode == 2 and "CUDA_GRAPHS must be off, on or both" in out.stderr
 
 
+def test_gpu_check_skips_what_its_budget_cannot_fit(tmp_path: Path) -> None:
+    # NOTE: a fake GPU and interpreter: the budget's bookkeeping is the unit here, not the checks.
+    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho '0, NVIDIA H200, 143771 MiB, 580'\n")
+    (tmp_path / "python").write_text("#!/bin/sh\necho \"python $*\" >> \"$RUN_LOG\"\necho 1\n")
+    for fake in tmp_path.iterdir():
+        fake.chmod(0o755)
+    env = {**_env(), "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}", "PYTHON": str(tmp_path / "python"),
+           "RUN_LOG": str(tmp_path / "runs.log")}
+    out = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, timeout=60,
+                         env={**env, "GPU_CHECK_BUDGET_S": "29"})
+    assert out.returncode == 4, (out.stdout, out.stderr)
+    skipped = out.stdout.split("spent):\n")[1].splitlines()
+    assert skipped[:2] == ["  check-config 1 GPU", "  talker step, released sizes, graphs off"]
+    assert len(skipped) == 9 and "  check-config 2 GPUs" in skipped
+    assert "check-config" not in (tmp_path / "runs.log").read_text()  # only the torch probes ran
+    out = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, timeout=60,
+                         env={**env, "GPU_CHECK_BUDGET_S": "600", "CUDA_GRAPHS": "on"})
+    assert out.returncode == 0 and "gpu_check: all checks passed" in out.stdout, (out.stdout, out.stderr)
+    assert "graphs off" not in out.stdout and "(limit 240 s)" in out.stdout
+    out = subprocess.run(["bash", str(GPU_CHECK)], capture_output=True, text=True, timeout=60,
+                         env={**env, "GPU_CHECK_BUDGET_S": "ten minutes"})
+    assert out.returncode == 2 and "GPU_CHECK_BUDGET_S must be a whole number" in out.stderr
+
+
 @pytest.mark.parametrize("graphs", ["off", "on"])
 def test_gpu_bench_talker_step_runs_on_the_tiny_preset(graphs: str) -> None:
     # NOTE: "on" runs the runner's fixed-shape decode path; on the CPU it is not captured, only run.
