@@ -65,15 +65,18 @@ class Eagerness:
 
 
 # NOTE: OpenAI documents only the maximum waits (8 s / 4 s / 2 s); a caller on a phone hears 8 s as a dead
-# line, so the waits here are shorter, and `auto` is `medium` as OpenAI says. `min_silence_ms`: Silero
-# needs ~100 ms of silence to say speech stopped at all; the rest is the margin against a breath, which a
-# score of `sure_complete` or more waives (the pause is then already scored, and the margin is dead air).
+# line, so the waits here are shorter, and `auto` is `medium` as OpenAI says. `min_silence_ms`: where the model
+# is not sure (`min_complete` <= score < `sure_complete`), a listener lets a hesitation's pause go by first. At
+# 200 ms, medium answered "can you tell me the" (scored 0.89), and the ~200 ms gap a voice leaves before "milk"
+# in "i need to buy some milk and" (0.64-0.77), before the speaker went on; finished questions score 0.96-0.99
+# on the turn-taking set's voices, so the wait costs them nothing (loadtest/bench_turntaking.py, BENCHMARKS.md).
+# A score of `sure_complete` or more commits at the pause (it is already scored, and more silence is dead air).
 # `unfinished_silence_ms`: a hesitation's pause in conversation is mostly under a second (the turn-taking
 # set's are 400-900 ms), so medium waits 1.2 s; a longer one is taken as the end of the turn.
 EAGERNESS = {
-    "low": Eagerness(min_complete=0.8, min_silence_ms=300, max_silence_ms=3000, sure_complete=0.97,
+    "low": Eagerness(min_complete=0.8, min_silence_ms=1300, max_silence_ms=3000, sure_complete=0.97,
                      unfinished_silence_ms=1600),
-    "medium": Eagerness(min_complete=0.5, min_silence_ms=200, max_silence_ms=2000, sure_complete=0.9,
+    "medium": Eagerness(min_complete=0.5, min_silence_ms=1000, max_silence_ms=2000, sure_complete=0.9,
                         unfinished_silence_ms=1200),
     "high": Eagerness(min_complete=0.3, min_silence_ms=120, max_silence_ms=1200, sure_complete=0.7,
                       unfinished_silence_ms=900),
