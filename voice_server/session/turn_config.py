@@ -68,8 +68,9 @@ class Eagerness:
 # line, so the waits here are shorter, and `auto` is `medium` as OpenAI says. `min_silence_ms`: where the model
 # is not sure (`min_complete` <= score < `sure_complete`), a listener lets a hesitation's pause go by first. At
 # 200 ms, medium answered "can you tell me the" (scored 0.89), and the ~200 ms gap a voice leaves before "milk"
-# in "i need to buy some milk and" (0.64-0.77), before the speaker went on; finished questions score 0.96-0.99
-# on the turn-taking set's voices, so the wait costs them nothing (loadtest/bench_turntaking.py, BENCHMARKS.md).
+# in "i need to buy some milk and" (0.64-0.77), before the speaker went on; finished questions scored 0.969-0.990
+# on the turn-taking set's voices over /ws, so the wait cost them nothing there (3 of 41 through a call's 8 kHz
+# audio scored under 0.9; loadtest/bench_turntaking.py, BENCHMARKS.md).
 # A score of `sure_complete` or more commits at the pause (it is already scored, and more silence is dead air).
 # `unfinished_silence_ms`: a hesitation's pause in conversation is mostly under a second (the turn-taking
 # set's are 400-900 ms), so medium waits 1.2 s; a longer one is taken as the end of the turn.
