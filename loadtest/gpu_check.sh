@@ -85,15 +85,17 @@ for graphs in "${graph_modes[@]}"; do
     step "talker step, released sizes, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py talker \
         --preset released --device cuda --batches 1,16 --cuda-graphs "$graphs"
 done
-# NOTE: graphs on first: it is what serves (talker `cuda_graphs: auto`).
+# NOTE: the pipelines with graphs on first: it is what serves (talker `cuda_graphs: auto`).
+serving_first=()
 for ((i = ${#graph_modes[@]} - 1; i >= 0; i--)); do
-    graphs="${graph_modes[i]}"
+    serving_first+=("${graph_modes[i]}")
+done
+for graphs in "${serving_first[@]}"; do
     step "30B-A3B pipeline, released shapes, graphs $graphs" 240 "$PYTHON" loadtest/bench_gpu.py pipeline \
         --config configs/qwen3-omni-30b-a3b.yaml --preset released --cuda-graphs "$graphs"
 done
 step "vision tower, released sizes" 240 "$PYTHON" loadtest/bench_gpu_vision.py --device cuda --budget-gib 4
-for ((i = ${#graph_modes[@]} - 1; i >= 0; i--)); do
-    graphs="${graph_modes[i]}"
+for graphs in "${serving_first[@]}"; do
     step "tiny pipeline on cuda, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py pipeline \
         --config configs/qwen3-omni-tiny.yaml --device cuda --cuda-graphs "$graphs"
 done
