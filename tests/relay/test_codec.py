@@ -47,8 +47,8 @@ def test_non_contiguous_and_bfloat16() -> None:
     t = torch.randn(4, 6).to(torch.bfloat16)[:, ::2]
     name, shape, raw = as_bytes_view(t)
     assert (name, shape) == ("bfloat16", (4, 3))
-    bits = from_buffer(raw, name, shape, as_torch=False)
-    assert isinstance(bits, np.ndarray) and bits.dtype == np.uint16  # numpy gets the raw bits
+    wide = from_buffer(raw, name, shape, as_torch=False)  # numpy has no bfloat16: exactly widened to float32
+    assert isinstance(wide, np.ndarray) and wide.dtype == np.float32 and np.array_equal(wide, t.float().numpy())
     back = from_buffer(bytearray(raw), name, shape, as_torch=True)
     assert isinstance(back, torch.Tensor) and back.dtype == torch.bfloat16 and torch.equal(back, t)
 

@@ -15,10 +15,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from harness import Pipeline, shm_segments
-from omni_reference import LIMITS, TinyOmni, omni_config
+from omni_reference import LIMITS, TinyOmni, by_stage, omni_config
 
 from voice_server.config import pipeline_from_dict
 from voice_server.engine.requests import RequestError
@@ -114,6 +115,30 @@ def test_all_stages_in_one_process_stream_the_same(reference: TinyOmni) -> None:
         for case, got in zip(cases, outputs, strict=True):
             assert not isinstance(got, BaseException), got
             reference.check(case, *LIMITS[case], got)
+    finally:
+        pipeline.close()
+    assert shm_segments(pipeline.coordinator.launch_id) == []
+
+
+def test_a_bf16_pipeline_hands_its_bf16_embeddings_to_the_talker(reference: TinyOmni) -> None:
+    # NOTE: bf16 is the default on CUDA; the thinker's per-token embeddings then cross the relay as bf16,
+    # which numpy cannot hold. They once arrived as integer bits and the talker refused every request
+    # ("must be a float array"); first seen on an H200. bf16 runs on CPU too, so it is checked here.
+    cfg = omni_config(reference.ckpt)
+    for stage in cfg["stages"]:
+        stage["factory_args"] = {**stage["factory_args"], "dtype": "bf16"}
+    pipeline = Pipeline(pipeline_from_dict(cfg))
+    try:
+        cases = (1, 6)  # one text prompt, one audio prompt
+        params = [{"sampling": {"max_tokens": LIMITS[i][0]}, "talker": {"max_frames": LIMITS[i][1]}} for i in cases]
+        outputs = pipeline.collect_all([reference.cases[i][0] for i in cases], params, stagger_s=0.05, timeout=300)
+        for got in outputs:
+            assert not isinstance(got, BaseException), got
+            assert by_stage(got, "thinker")[-1]["token_ids"]
+            assert any("codes" in p for p in by_stage(got, "talker"))
+            pcm = np.concatenate([np.asarray(p["pcm"], np.float32).reshape(-1) for p in by_stage(got, "code2wav")
+                                  if "pcm" in p])
+            assert np.isfinite(pcm).all() and np.abs(pcm).max() > 1e-3
     finally:
         pipeline.close()
     assert shm_segments(pipeline.coordinator.launch_id) == []

@@ -17,7 +17,8 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-# NOTE: numpy has no bfloat16; it travels (and is returned to numpy users) as its raw uint16 bits.
+# NOTE: numpy has no bfloat16; it travels as its raw uint16 bits and numpy users get it widened to float32
+# (`from_buffer`), since bare bits read as integers and a stage would refuse them as a float array.
 NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
     "float64": np.dtype(np.float64),
     "float32": np.dtype(np.float32),
@@ -73,7 +74,8 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def to_numpy(x: np.ndarray | torch.Tensor) -> tuple[str, np.ndarray]:
-    """(dtype name, numpy view with the same strides); bfloat16 becomes its uint16 bits. No copy for CPU."""
+    """(dtype name, numpy view with the same strides); bfloat16 becomes its uint16 bits (the wire form). No copy
+    for CPU."""
     if is_torch_tensor(x):
         import torch
 
@@ -110,14 +112,15 @@ def from_buffer(
 ) -> np.ndarray | torch.Tensor:
     """Zero-copy array over `buf` (anything with the buffer protocol, at least num_bytes long).
 
-    As numpy, bfloat16 comes back as its raw uint16 bits. A read-only buffer gives a read-only numpy
-    array; torch needs a writable one (it is undefined behaviour to write through a read-only view).
+    As numpy, bfloat16 comes back widened to float32, exactly (a copy: every bfloat16 is a float32 with
+    its low 16 bits zero). A read-only buffer gives a read-only numpy array; torch needs a writable one
+    (it is undefined behaviour to write through a read-only view).
     """
     np_dtype = numpy_dtype(dtype)
     shape = tuple(int(s) for s in shape)
     arr = np.frombuffer(buf, dtype=np_dtype, count=math.prod(shape)).reshape(shape)
     if not as_torch:
-        return arr
+        return (arr.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else arr
     import torch
 
     signed = _TORCH_VIA_SIGNED.get(dtype)
