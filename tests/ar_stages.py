@@ -2,8 +2,9 @@
 
 Its next token depends only on the previous token and its position, so a request's output is the
 same alone, batched, chunked or preempted, and tests can predict it (`expected_tokens`). A prompt
-containing `POISON` makes every step it is in raise (failure isolation); `step_delay_ms` slows
-each step so aborts land mid-decode.
+containing `POISON` makes every step it is in raise (failure isolation), a payload with `raise_at_admit`
+makes admission raise a RuntimeError (a runner's own bug, not a refusal); `step_delay_ms` slows each step
+so aborts land mid-decode.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class FakeARRunner(Runner[ARBatch, ARResult]):
     def admit(self, item: WorkItem) -> WorkItem:
         if item.kind is WorkKind.DONE or (item.is_stream and not item.payload):
             return item  # NOTE: a stream opens empty; its tokens come in chunks
+        if item.payload.get("raise_at_admit"):
+            raise RuntimeError("admission bug")
         ids = item.payload.get("token_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < VOCAB for t in ids):
             raise AdmissionError(f"payload.token_ids: must be a list of ids in [0, {VOCAB})")

@@ -113,6 +113,27 @@ def test_malformed_requests_are_refused_alone(ar: Pipeline, payload: Any, params
     assert wait_idle(ar)["num_used_pages"] == 0
 
 
+def test_a_runner_raising_at_admission_fails_that_request_and_the_stage_keeps_serving(ar: Pipeline) -> None:
+    # NOTE: not a refusal (ValueError) but a runner's bug, as a tensor left on the wrong device was on an
+    # H200: the request must end with an error, not hang while the message is dropped.
+    async def go() -> tuple[Any, Any]:
+        async def broken() -> Any:
+            try:
+                return [o async for o in ar.coordinator.submit({"token_ids": [4, 5], "raise_at_admit": True}, {})]
+            except RequestError as exc:
+                return exc
+
+        async def fine() -> Any:
+            return [o async for o in ar.coordinator.submit({"token_ids": [4, 5, 6]}, {"sampling": {"max_tokens": 5}})]
+
+        return await asyncio.wait_for(asyncio.gather(broken(), fine()), 30)
+
+    failed, served = ar.run(go())
+    assert isinstance(failed, RequestError) and "admission failed: RuntimeError: admission bug" in str(failed)
+    assert tokens_of(served) == expected_tokens([4, 5, 6], 5)
+    assert wait_idle(ar)["num_used_pages"] == 0
+
+
 def test_a_raising_step_fails_only_the_culprit_and_the_stage_keeps_serving(ar: Pipeline) -> None:
     requests = [([10 + i, 11, 12], {"sampling": {"max_tokens": 30}}) for i in range(4)]
     requests.insert(2, ([7, POISON, 8], {"sampling": {"max_tokens": 30}}))

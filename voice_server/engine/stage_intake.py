@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import traceback
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -199,6 +200,12 @@ class StageIntake:
             log.warning("stage %s: refused %s: %s", runtime.cfg.name, rid, exc,
                         extra=rate_key(f"stage {runtime.cfg.name}: refused: {type(exc).__name__}"))
             self.fail_request(runtime, rid, f"refused: {exc}", is_overload=isinstance(exc, CapacityError))
+        except Exception as exc:
+            # NOTE: a runner's own bug at admission (a tensor on the wrong device, say) fails this request,
+            # as a failed batch fails its rows; dropped as a bad message, the request would hang unanswered.
+            log.error("stage %s: admission of %s failed:\n%s", runtime.cfg.name, rid, traceback.format_exc(),
+                      extra=rate_key(f"stage {runtime.cfg.name}: admission failed: {type(exc).__name__}"))
+            self.fail_request(runtime, rid, f"admission failed: {type(exc).__name__}: {exc}", is_overload=False)
 
     def _abort(self, request_id: str) -> None:
         self.aborted[request_id] = time.monotonic()

@@ -138,10 +138,19 @@ def plan_rows(modules: Iterable[nn.Module], in_dtype: torch.dtype, max_rows: int
     """The runner's plan: probed when batch invariance is wanted; otherwise rows as they come."""
     if not is_wanted:
         return RowPlan()
+    modules = list(modules)
     plan, broken = probe_row_plan(modules, in_dtype, max_rows)
     if not plan.is_batch_invariant:
         log.warning("batch_invariant: no padding up to %d rows (multiples up to %d) makes the rows of %s independent "
-                    "of the row count on this CPU's BLAS (%s); steps batch their rows as they come, so a sequence's "
-                    "logits may differ in the last bits alone and in a batch (batch_invariant: false silences this)",
-                    MAX_MIN_ROWS, ROW_MULTIPLES[-1], broken, torch.backends.cpu.get_cpu_capability())
+                    "of the row count on %s; steps batch their rows as they come, so a sequence's logits may "
+                    "differ in the last bits alone and in a batch (batch_invariant: false silences this)",
+                    MAX_MIN_ROWS, ROW_MULTIPLES[-1], broken, _kernels(modules))
     return plan
+
+
+def _kernels(modules: list[nn.Module]) -> str:
+    """Whose kernels were probed, for the warning: the device's (a GPU's name, or the CPU's kernel level)."""
+    device = next((p.device for m in modules for p in m.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        return f"{device} ({torch.cuda.get_device_name(device)})"
+    return f"this CPU's BLAS ({torch.backends.cpu.get_cpu_capability()})"

@@ -42,6 +42,8 @@ from voice_server.scheduling import AdmissionError
 @dataclass
 class TalkerFeed:
     speaker: str
+    device: torch.device
+    """The talker's: the thinker's vectors arrive in CPU memory (the relay) and are moved here once."""
     prompt_ids: list[int] = field(default_factory=list)
     prompt_embeds: torch.Tensor | None = None
     mm_hidden: torch.Tensor | None = None
@@ -78,10 +80,11 @@ class TalkerFeed:
     def add_chunk(self, chunk: FeedChunk) -> None:
         """One thinker chunk: a reply token's embedding (the first also with the prompt)."""
         if chunk.prompt is not None:
-            self.prompt_ids, self.prompt_embeds = chunk.prompt.token_ids, chunk.prompt.embeds
-            self.mm_hidden, self.tts_embeds = chunk.prompt.mm_hidden, chunk.prompt.tts_embeds
-            self.visual = chunk.prompt.visual
-        self.reply_embeds.append(chunk.embed[0])
+            prompt = chunk.prompt
+            self.prompt_ids, self.prompt_embeds = prompt.token_ids, prompt.embeds.to(self.device)
+            self.mm_hidden, self.tts_embeds = prompt.mm_hidden.to(self.device), prompt.tts_embeds.to(self.device)
+            self.visual = prompt.visual
+        self.reply_embeds.append(chunk.embed[0].to(self.device))
 
     def advance(self, talker: Talker, ids: TurnTokenIds, rope_layout: RopeLayout | None = None) -> list[int] | None:
         """Build the prefill and text vectors the received input allows; the prefill's placeholder

@@ -134,7 +134,7 @@ class TalkerRunner(Runner[ARBatch, ARResult]):
             if not item.is_stream:
                 raise AdmissionError("the talker takes the thinker's stream (list it in the thinker's stream_to)")
             speaker, max_frames = self._talker_params(item.params)
-            self.feeds[rid] = TalkerFeed(speaker)
+            self.feeds[rid] = TalkerFeed(speaker, self.device)
             params = {"sampling": {"max_tokens": max_frames}}
             return dataclasses.replace(item, payload={"token_ids": [], "max_num_outputs": 0}, params=params)
         feed = self.feeds.get(rid)
