@@ -16,6 +16,7 @@ from voice_server.session.end_of_turn import (
     SilenceStarted,
     SpeechResumed,
     hypotheses_suggest_more,
+    read_pause_words,
     text_suggests_more,
     words_suggest_more,
 )
@@ -153,7 +154,7 @@ def test_the_thinkers_reading_settles_an_unsure_score_and_a_sure_one_outweighs_i
     for score, wait_ms in [(unsure, rules.unfinished_silence_ms), (rules.sure_complete, None)]:
         machine = EndOfTurn(TurnDetectionConfig(type="semantic_vad", eagerness=eagerness))
         pause = speak(machine)
-        events = machine.on_score(pause.token, score, is_text_unfinished=True)
+        events = machine.on_score(pause.token, score, is_maybe_unfinished=True)
         if wait_ms is None:  # NOTE: sure: it sounds finished, and a misheard question reads as unfinished
             assert [type(e) for e in events] == [SpeechStopped]
             continue
@@ -163,7 +164,7 @@ def test_the_thinkers_reading_settles_an_unsure_score_and_a_sure_one_outweighs_i
     # Unfinished words hold even a sure score, as before, whatever the thinker reads.
     machine = EndOfTurn(TurnDetectionConfig(type="semantic_vad", eagerness=eagerness))
     pause = speak(machine)
-    assert machine.on_score(pause.token, 0.99, is_unfinished=True, is_text_unfinished=False) == []
+    assert machine.on_score(pause.token, 0.99, is_unfinished=True, is_maybe_unfinished=False) == []
 
 
 def test_a_speaker_who_goes_on_within_the_unfinished_wait_keeps_the_turn() -> None:
@@ -283,3 +284,41 @@ def test_the_thinkers_reading_of_the_words_holds_the_turn_under_its_threshold(tu
     ("i need to buy some milk and", "", [], True)])
 def test_every_hypothesis_of_the_turn_is_read(final: str, partial: str, alternatives: list[str], is_more: bool) -> None:
     assert hypotheses_suggest_more(final, partial, alternatives) is is_more
+
+
+@pytest.mark.parametrize(("final", "partial", "alternatives", "turn_end_p", "wideband", "narrowband"), [
+    # Logged on /twilio/media: "What is the capital of France?", Smart Turn 0.989; only an alternative dangles.
+    ("what if the capital of france", "what if the capital of france",
+     ["what if the capital of free and", "what if the capital of france"], 0.3, (True, False), (False, True)),
+    # The final or the partial dangles: unfinished on any line ("could you help me find a,").
+    ("could you help me find him", "could you help me find a", [], 0.2, (True, False), (True, False)),
+    # An alternative that only adds a dangling word to the final stays strong on a phone line ("the name, of").
+    ("i want to know the name", "i want to know the name", ["i want to know the name of", "i want to know the game"],
+     0.3, (True, False), (True, False)),
+    ("i need to buy some milk and", "", ["i need to buy some milk in"], 0.5, (True, False), (True, False)),
+    # The thinker's reading alone is weak evidence on any line.
+    ("can you tell me that", "can you tell me that", [], 0.0015, (False, True), (False, True)),
+    ("who wrote romeo and juliet", "who wrote romeo and juliet", ["who wrote romeo and julie"], None,
+     (False, False), (False, False)),
+])
+def test_a_phone_lines_alternatives_are_weak_evidence_and_a_wideband_lines_strong(
+        final: str, partial: str, alternatives: list[str], turn_end_p: float | None, wideband: tuple[bool, bool],
+        narrowband: tuple[bool, bool]) -> None:
+    assert read_pause_words(final, partial, alternatives, turn_end_p, is_narrowband=False) == wideband
+    assert read_pause_words(final, partial, alternatives, turn_end_p, is_narrowband=True) == narrowband
+
+
+@pytest.mark.parametrize("is_narrowband", [False, True])
+def test_a_sure_score_outweighs_a_phone_lines_alternatives_and_not_a_wideband_lines(is_narrowband: bool) -> None:
+    rules = EAGERNESS["medium"]
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    words = read_pause_words("what color is the guy", "what color is the guy", ["what color is the and"], 0.5,
+                             is_narrowband=is_narrowband)
+    events = machine.on_score(pause.token, 0.98, *words)
+    if is_narrowband:
+        assert [type(e) for e in events] == [SpeechStopped]  # at the pause
+        return
+    assert events == []
+    (index, stopped), = run(machine, [0.0] * windows(rules.max_silence_ms))
+    assert stopped.audio_end_ms - pause.speech_end_ms == windows(rules.unfinished_silence_ms) * WINDOW_MS

@@ -12,6 +12,7 @@ from __future__ import annotations
 from voice_server.audio.g711 import alaw_decode, alaw_encode, ulaw_decode, ulaw_encode
 from voice_server.audio.levels import AUDIBLE_DB, PlayoutClock, frame_levels_db
 from voice_server.audio.pcm import (
+    NARROWBAND_MAX_RATE,
     b64decode,
     b64encode,
     float32_to_pcm16,
@@ -28,6 +29,7 @@ from voice_server.audio.resample import (
 )
 
 __all__ = [
+    "NARROWBAND_MAX_RATE",
     "AlignedResampler",
     "AUDIBLE_DB",
     "PlayoutClock",

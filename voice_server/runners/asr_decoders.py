@@ -49,8 +49,6 @@ their floor, which shifts every cepstral coefficient (by up to 45). Live CMN rem
 its mean has caught up, long after a turn is over: from `SPEECH_CMN` "What is the capital of France?" was
 heard as "what what". Word error rate on the turn-taking set from `SPEECH_CMN`: clean 0.96, in noise 0.95;
 from this, 0.34 and 0.56 (16 kHz speech from `SPEECH_CMN`: 0.13 and 0.34; `loadtest/bench_asr.py --narrowband`)."""
-NARROWBAND_MAX_RATE = 8000
-"""A source captured at this rate or lower is narrowband (`start(is_narrowband=True)`)."""
 
 
 MIN_WORD_POSTERIOR = 0.05
@@ -86,7 +84,7 @@ class DecoderOptions:
     initial_cmn: str = SPEECH_CMN
     """Every utterance's starting cepstral mean (13 comma-separated numbers)..."""
     narrowband_cmn: str = NARROWBAND_CMN
-    """...and that of an utterance captured at 8 kHz (`NARROWBAND_MAX_RATE`)."""
+    """...and that of an utterance captured at 8 kHz (`voice_server.audio.NARROWBAND_MAX_RATE`)."""
     max_hmms_per_frame: int = 3000
     """PocketSphinx's `maxhmmpf`: the search keeps at most this many active HMMs per frame. Its own default
     (30000) costs ~0.24 s of CPU per second of speech; 3000 about 0.12 s, for +0.02 word error rate in

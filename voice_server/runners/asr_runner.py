@@ -46,7 +46,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from voice_server.runners.asr_decoders import NARROWBAND_MAX_RATE, SAMPLING_RATE
+from voice_server.audio import NARROWBAND_MAX_RATE
+from voice_server.runners.asr_decoders import SAMPLING_RATE
 from voice_server.runners.asr_input import messages_with_audio, pcm16
 from voice_server.runners.asr_recognizer import Recognizer, RecognizerPool
 from voice_server.scheduling import AdmissionError, Emit, EmitKind, Runner, SimpleBatch, SimpleResult, WorkItem

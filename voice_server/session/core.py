@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from voice_server.audio import NARROWBAND_MAX_RATE
 from voice_server.audio.denoise import NoiseSuppressor
 from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
@@ -30,8 +31,7 @@ from voice_server.session.end_of_turn import (
     OnsetHeard,
     OnsetLost,
     Phase,
-    hypotheses_suggest_more,
-    text_suggests_more,
+    read_pause_words,
 )
 from voice_server.session.events import (
     InputCommitted,
@@ -178,10 +178,10 @@ class Session(StreamedTurns):
             if not isinstance(self.detector, SemanticTurnDetector):
                 return
             run = self._turn.run if self._turn is not None else None
-            is_unfinished = run is not None and hypotheses_suggest_more(
-                run.held_transcript or "", run.last_partial, run.held_alternatives)
-            is_text_unfinished = run is not None and text_suggests_more(run.held_turn_end_p)
-            await self._on_turn_events(self.detector.on_score(token, probability, is_unfinished, is_text_unfinished))
+            is_unfinished, is_maybe_unfinished = (False, False) if run is None else read_pause_words(
+                run.held_transcript or "", run.last_partial, run.held_alternatives, run.held_turn_end_p,
+                is_narrowband=self.config.input_rate <= NARROWBAND_MAX_RATE)
+            await self._on_turn_events(self.detector.on_score(token, probability, is_unfinished, is_maybe_unfinished))
 
     @staticmethod
     async def _words_of(run: ResponseRun) -> None:

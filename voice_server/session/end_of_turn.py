@@ -13,11 +13,12 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
 
 where the words end where a sentence cannot (`is_unfinished`: `hypotheses_suggest_more` on the recogniser's
 hypotheses), a score of `min_complete` or more commits only after `unfinished_silence_ms` of silence, and a
-lower one after `max_silence_ms` as before. So where the thinker reads the words as unfinished
-(`is_text_unfinished`: `text_suggests_more`) and the score is under `sure_complete`: the thinker reads what the
-recogniser heard, and a misheard finished question reads as unfinished as a cut one ("how many links to the
-spider have": 0.0002, Smart Turn 0.985), so a model sure the sentence sounds finished outweighs it, while one
-that is not (0.70 for a pause after "i need to buy some") is settled by it.
+lower one after `max_silence_ms` as before. So where weaker evidence says the words may go on
+(`is_maybe_unfinished`, `read_pause_words`: the thinker's reading, `text_suggests_more`, and some of a phone
+line's alternatives) and the score is under `sure_complete`: the thinker reads what the recogniser heard, and a
+misheard finished question reads as unfinished as a cut one ("how many links to the spider have": 0.0002,
+Smart Turn 0.985), so a model sure the sentence sounds finished outweighs it, while one that is not (0.70 for
+a pause after "i need to buy some") is settled by it.
 
 `OnsetHeard` comes a window or more before a turn could open (`num_start_windows` > 1): a reply playing
 may hold its audio at once, and go on at `OnsetLost` (a click, a blip) if the turn never opens.
@@ -49,8 +50,9 @@ from dataclasses import dataclass
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped
 
-__all__ = ["WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted",
-           "SpeechResumed", "hypotheses_suggest_more", "text_suggests_more", "words_suggest_more"]
+__all__ = ["WINDOW_MS", "EndOfTurn", "OnsetHeard", "OnsetLost", "Phase", "SilenceStarted", "SpeechResumed",
+           "alternatives_suggest_more", "hypotheses_suggest_more", "read_pause_words", "text_suggests_more",
+           "words_suggest_more"]
 
 WINDOW_MS = 32
 SPEECH_THRESHOLD = 0.5
@@ -94,10 +96,14 @@ def hypotheses_suggest_more(final: str, partial: str = "", alternatives: Sequenc
     Offline, on the turn-taking set's hesitations cut at their pause (3 seeds, 60 cuts), the final or the
     partial ended where a sentence cannot for 33, with the alternatives for 49; of 72 complete questions
     4 were flagged (2 by the final or partial alone), of 30 backchannels 4."""
+    return words_suggest_more(final) or words_suggest_more(partial) or alternatives_suggest_more(final, alternatives)
+
+
+def alternatives_suggest_more(final: str, alternatives: Sequence[str]) -> bool:
+    """Whether an alternative to `final` ends where a sentence cannot (`MIN_WORDS_FOR_LONGER`)."""
     num_final = len(final.split())
     longer_ok = num_final >= MIN_WORDS_FOR_LONGER
-    return any(words_suggest_more(h) for h in (final, partial, *(
-        a for a in alternatives if longer_ok or len(a.split()) <= num_final)))
+    return any(words_suggest_more(a) for a in alternatives if longer_ok or len(a.split()) <= num_final)
 
 
 MIN_TEXT_COMPLETE = 0.002
@@ -114,6 +120,26 @@ short of sure (`EndOfTurn`); a wrong hold costs `unfinished_silence_ms`."""
 def text_suggests_more(turn_end_p: float | None) -> bool:
     """Whether the thinker, reading the turn's final transcript, expects the user to go on (None: no score)."""
     return turn_end_p is not None and turn_end_p < MIN_TEXT_COMPLETE
+
+
+def read_pause_words(final: str, partial: str, alternatives: Sequence[str], turn_end_p: float | None,
+                     is_narrowband: bool) -> tuple[bool, bool]:
+    """What a pause's words say beside its score: (`is_unfinished`, `is_maybe_unfinished`) for `EndOfTurn.on_score`.
+
+    Unfinished, whatever the score: the recogniser's final or last partial, or one of its alternatives, ends
+    where a sentence cannot. Maybe unfinished, which a sure score outweighs: the thinker's reading, and on
+    narrowband audio (a phone line's 8 kHz) the alternatives that rewrite the final's last words rather than
+    add to them. Without the upper band the n-best spreads over words the recogniser cannot tell apart, and
+    ends on "and" or "a" for finished questions ("capital of france" / "capital of free and", "what color it
+    guy" / "what color it and"), while one that only adds a word ("the name" / "the name of") is the
+    recogniser unsure whether a short word was said, as at a hesitation. Logged over 9 runs of the
+    turn-taking set on `/twilio/media` (sure scores, nothing else flagging them): rewriting alternatives held
+    10 of 108 finished questions ~1 s and caught 2 of 90 hesitation pauses ("find a" / "find him")."""
+    adding = [a for a in alternatives if final and a.startswith(final + " ")] if is_narrowband else alternatives
+    rewriting = [a for a in alternatives if a not in adding]
+    is_unfinished = hypotheses_suggest_more(final, partial, adding)
+    is_maybe_unfinished = text_suggests_more(turn_end_p) or alternatives_suggest_more(final, rewriting)
+    return is_unfinished, is_maybe_unfinished
 
 
 @dataclass(frozen=True)
@@ -169,8 +195,8 @@ class EndOfTurn:
         """The current pause's end-of-turn probability, once scored."""
         self.is_unfinished = False
         """Whether the current pause's words end where a sentence cannot (given with its score)..."""
-        self.is_text_unfinished = False
-        """...and whether the thinker reads them as unfinished."""
+        self.is_maybe_unfinished = False
+        """...and whether weaker evidence says they may go on (`read_pause_words`; a sure score outweighs it)."""
         self.num_speech_windows = 0
         """Speech windows since the open turn started (its onset's included)."""
         self._num_run = 0
@@ -205,7 +231,7 @@ class EndOfTurn:
             if self._num_run < self.num_pause_windows:
                 return []
             self.phase, self._num_run, self.score, self.is_unfinished = Phase.PAUSED, 0, None, False
-            self.is_text_unfinished = False
+            self.is_maybe_unfinished = False
             self.token += 1
             return [SilenceStarted(self.speech_end_ms, self.token)]
         num_run_before = self._num_run
@@ -232,19 +258,19 @@ class EndOfTurn:
         return self._decide()
 
     def on_score(self, token: int, probability: float, is_unfinished: bool = False,
-                 is_text_unfinished: bool = False) -> list[object]:
+                 is_maybe_unfinished: bool = False) -> list[object]:
         """The end-of-turn probability asked for by the `SilenceStarted` carrying `token`, whether the turn's
-        words so far end where a sentence cannot, and whether the thinker reads them as unfinished."""
+        words so far end where a sentence cannot, and whether weaker evidence says they may (`read_pause_words`)."""
         if token != self.token or self.phase is not Phase.PAUSED:
             return []
-        self.score, self.is_unfinished, self.is_text_unfinished = probability, is_unfinished, is_text_unfinished
+        self.score, self.is_unfinished, self.is_maybe_unfinished = probability, is_unfinished, is_maybe_unfinished
         return self._decide()
 
     def _decide(self) -> list[object]:
         silence_ms = self.now_ms - self.speech_end_ms
         rules = self.rules
         score = -1.0 if self.score is None else self.score
-        if self.is_unfinished or (self.is_text_unfinished and score < rules.sure_complete):
+        if self.is_unfinished or (self.is_maybe_unfinished and score < rules.sure_complete):
             # NOTE: the model hears a finished sentence and the words say otherwise. Either may be wrong: a
             # flat voice cut after "a" sounds done, and a call's recogniser hears "France" as "free and".
             # A listener waits a beat longer, not the whole maximum silence, for the speaker to go on.

@@ -178,10 +178,10 @@ class SemanticTurnDetector:
         return events
 
     def on_score(self, token: int, probability: float, is_unfinished: bool = False,
-                 is_text_unfinished: bool = False) -> list[object]:
+                 is_maybe_unfinished: bool = False) -> list[object]:
         """The Smart Turn probability for the pause whose `SilenceStarted` carried `token`, whether the
-        turn's words end where a sentence cannot, and whether the thinker reads them so (`EndOfTurn.on_score`)."""
-        return self.machine.on_score(token, probability, is_unfinished, is_text_unfinished)
+        turn's words end where a sentence cannot, and whether they may (`read_pause_words`, `EndOfTurn.on_score`)."""
+        return self.machine.on_score(token, probability, is_unfinished, is_maybe_unfinished)
 
     def score(self, audio: npt.NDArray[np.int16]) -> float:
         """Smart Turn's probability that the turn in `audio` (int16 at the input rate, its last 8 s used)
