@@ -155,15 +155,28 @@ def prompt_ids(cfg: Qwen3OmniConfig, num_text: int = 16) -> list[int]:
     return head + list(range(first_text, first_text + num_text)) + tail
 
 
-async def _one(coordinator: Any, payload: dict[str, Any]) -> dict[str, float]:
-    first: dict[str, float] = {}
+async def _one(coordinator: Any, payload: dict[str, Any], first: dict[str, float]) -> dict[str, float]:
+    """Fills `first` (stage -> ms to its first output) as outputs come, so a timed-out caller can say how far
+    the request got."""
     async for out in coordinator.submit(payload, None):
         if out.stage not in first and out.payload:
             first[out.stage] = 1e3 * (out.timings.get(out.stage, time.monotonic()) - out.timings["submit"])
     return first
 
 
-async def _pipeline(cfg: Any, payload: dict[str, Any], concurrency: list[int]) -> None:
+async def _batch(coordinator: Any, payload: dict[str, Any], n: int, timeout_s: float) -> list[dict[str, float]]:
+    """`n` requests at once; past `timeout_s` an error naming the stages each request had heard from (a hang
+    shows where it is, instead of using up the check's whole limit)."""
+    firsts: list[dict[str, float]] = [{} for _ in range(n)]
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(_one(coordinator, payload, f) for f in firsts)), timeout_s)
+    except TimeoutError:
+        reached = sorted({", ".join(f) or "none" for f in firsts})
+        raise SystemExit(f"{n} requests did not finish in {timeout_s:g} s; the stages that answered: "
+                         f"{' | '.join(reached)}") from None
+
+
+async def _pipeline(cfg: Any, payload: dict[str, Any], concurrency: list[int], timeout_s: float) -> None:
     from voice_server.engine.coordinator import Coordinator
 
     coordinator = Coordinator(cfg)
@@ -172,7 +185,7 @@ async def _pipeline(cfg: Any, payload: dict[str, Any], concurrency: list[int]) -
     print(f"pipeline '{cfg.name}' ready in {time.perf_counter() - t0:.1f} s")
     try:
         for n in concurrency:
-            results = await asyncio.gather(*(_one(coordinator, payload) for _ in range(n)))
+            results = await _batch(coordinator, payload, n, timeout_s)
             text = [r.get("thinker", float("nan")) for r in results]
             audio = [r.get("code2wav", float("nan")) for r in results]
             print(f"  {n:>3} concurrent: first text median {statistics.median(text):8.1f} ms, first audio "
@@ -190,7 +203,7 @@ def run_pipeline(args: argparse.Namespace) -> None:
     model = preset_config(thinker_args["preset"]) if "preset" in thinker_args else Qwen3OmniConfig.from_json_file(
         thinker_args["checkpoint"])
     print(f"CUDA graphs (talker decode steps): {args.cuda_graphs}")
-    asyncio.run(_pipeline(cfg, {"token_ids": prompt_ids(model)}, [1, *args.concurrency]))
+    asyncio.run(_pipeline(cfg, {"token_ids": prompt_ids(model)}, [1, *args.concurrency], args.request_timeout))
 
 
 def _ints(text: str) -> list[int]:
@@ -213,6 +226,8 @@ def main() -> None:
     p_pipe.add_argument("--concurrency", type=_ints, default=[16], help="after one request alone")
     p_pipe.add_argument("--max-tokens", type=int, default=32)
     p_pipe.add_argument("--max-frames", type=int, default=64)
+    p_pipe.add_argument("--request-timeout", type=float, default=60.0,
+                        help="seconds a batch of requests may take before the run fails, naming where they got")
     for p in (p_talker, p_pipe):
         p.add_argument("--cuda-graphs", choices=("on", "off"), default="off")
     args = parser.parse_args()

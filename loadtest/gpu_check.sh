@@ -3,16 +3,18 @@
 # telling checks first, so a short lease (GPU_CHECK_BUDGET_S) still gets them:
 #   0. nvidia-smi and a CUDA build of torch (exits 3 at once without them: nothing to check here);
 #   1. check-config of the 1-GPU 30B-A3B config on this host (devices included);
-#   2. the Talker+MTP frame step at the released sizes (dummy weights), batch 1 and 16: the eager
-#      reference step (graphs off) and the runner's captured decode graphs (on);
-#   3. configs/qwen3-omni-30b-a3b.yaml with the released shapes on dummy weights (`preset: released`,
+#   2. configs/qwen3-omni-30b-a3b.yaml with the released shapes on dummy weights (`preset: released`,
 #      no checkpoint needed): first text / first audio, 1 then 16 requests, graphs on, then off;
-#   4. the vision tower at the released sizes (bf16, dummy weights): a 1024x768 image, a 448x448 image,
+#   3. the tiny pipeline with every stage on cuda: first text / first audio, 1 then 16 requests,
+#      with the talker's CUDA graphs on and off;
+#   4. the Talker+MTP frame step at the released sizes (dummy weights), batch 1 and 16: the eager
+#      reference step (graphs off) and the runner's captured decode graphs (on);
+#   5. the vision tower at the released sizes (bf16, dummy weights): a 1024x768 image, a 448x448 image,
 #      4 s and 10 s of video, then a minute of video under a 4 GiB activation budget: forward times and
 #      the device's peak memory against the encoder stage's formula (loadtest/bench_gpu_vision.py);
-#   5. the tiny pipeline with every stage on cuda: first text / first audio, 1 then 16 requests,
-#      with the talker's CUDA graphs on and off;
 #   6. check-config of the 2-GPU config (its device check skipped on one GPU).
+# The pipelines come first: the step and the tower alone passed on an H200 (2026-12-04), the pipelines
+# had not yet run end to end there.
 # CUDA_GRAPHS=off or on runs only that side (default: both). GPU_CHECK_BUDGET_S=N: the whole run's seconds;
 # each check's limit is cut to what is left, and a check with under 30 s left is skipped (named at the end).
 #
@@ -81,10 +83,6 @@ step() {
 }
 
 step "check-config 1 GPU" 120 "$PYTHON" -m voice_server.cli check-config configs/qwen3-omni-30b-a3b.yaml
-for graphs in "${graph_modes[@]}"; do
-    step "talker step, released sizes, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py talker \
-        --preset released --device cuda --batches 1,16 --cuda-graphs "$graphs"
-done
 # NOTE: the pipelines with graphs on first: it is what serves (talker `cuda_graphs: auto`).
 serving_first=()
 for ((i = ${#graph_modes[@]} - 1; i >= 0; i--)); do
@@ -94,11 +92,15 @@ for graphs in "${serving_first[@]}"; do
     step "30B-A3B pipeline, released shapes, graphs $graphs" 240 "$PYTHON" loadtest/bench_gpu.py pipeline \
         --config configs/qwen3-omni-30b-a3b.yaml --preset released --cuda-graphs "$graphs"
 done
-step "vision tower, released sizes" 240 "$PYTHON" loadtest/bench_gpu_vision.py --device cuda --budget-gib 4
 for graphs in "${serving_first[@]}"; do
     step "tiny pipeline on cuda, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py pipeline \
         --config configs/qwen3-omni-tiny.yaml --device cuda --cuda-graphs "$graphs"
 done
+for graphs in "${graph_modes[@]}"; do
+    step "talker step, released sizes, graphs $graphs" 120 "$PYTHON" loadtest/bench_gpu.py talker \
+        --preset released --device cuda --batches 1,16 --cuda-graphs "$graphs"
+done
+step "vision tower, released sizes" 240 "$PYTHON" loadtest/bench_gpu_vision.py --device cuda --budget-gib 4
 two_gpu_flags=()
 if (( num_gpus < 2 )); then
     two_gpu_flags=(--skip-device-check)  # NOTE: one GPU here: check the rest of the 2-GPU config
