@@ -17,9 +17,10 @@ noisy). WER is over the items' words (`tests/speech_text.py`'s normalisation), c
 Gaussians per frame, beams, frame skipping, words per frame), passed to its `Decoder` as they are.
 
 `--narrowband`: instead, the same items as a phone call brings them (8 kHz u-law, back up to 16 kHz as a
-session resamples them) from the speech and the narrowband starting means, beside the 16 kHz items.
+session resamples them) from the speech and the narrowband starting means, and on a decoder whose model is
+adapted to phone audio (`NARROWBAND_MLLR`), beside the 16 kHz items. `--seed`: the set's seed.
 
-Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py [--search | --narrowband]
+Usage: OMP_NUM_THREADS=1 python loadtest/bench_asr.py [--search | --narrowband] [--seed N]
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def decode(decoder: Any, options: DecoderOptions, item: Item) -> tuple[str, floa
 
 
 def measure(name: str, options: DecoderOptions, items: list[Item], search: dict[str, float] | None = None,
-            ) -> dict[str, Any]:
-    decoder = build_decoder(options, **(search or {}))
+            is_narrowband: bool = False) -> dict[str, Any]:
+    decoder = build_decoder(options, is_narrowband, **(search or {}))
     best: tuple[float, list[float]] | None = None
     for _ in range(2):
         results = [decode(decoder, options, item) for item in items]
@@ -111,17 +112,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--search", action="store_true", help="PocketSphinx's other search bounds instead")
     parser.add_argument("--narrowband", action="store_true", help="8 kHz u-law items from both starting means")
+    parser.add_argument("--seed", type=int, default=0, help="the turn-taking set's seed")
     args = parser.parse_args()
     items = [item for category, count in (("complete", 12), ("barge_in", 10), ("hesitation", 10), ("prompt", 6))
-             for item in make_items(category, count)]
+             for item in make_items(category, count, args.seed)]
     items = [Item(i.category, i.name.replace(",", ""), i.audio, i.speech, None, i.speed, i.level_db, i.snr_db)
              for i in items]
     if args.narrowband:
         by_call = [phoned(item) for item in items]
         rows = [measure("16 kHz, speech CMN", DecoderOptions(), items),
                 measure("8 kHz u-law, speech CMN (the stage before)", DecoderOptions(), by_call),
-                measure("8 kHz u-law, narrowband CMN (source_rate 8000)", DecoderOptions(initial_cmn=NARROWBAND_CMN),
-                        by_call)]
+                measure("8 kHz u-law, narrowband CMN (a call on a 16 kHz decoder)",
+                        DecoderOptions(initial_cmn=NARROWBAND_CMN), by_call),
+                measure("8 kHz u-law, narrowband CMN, adapted model (a call on a narrowband decoder)",
+                        DecoderOptions(initial_cmn=NARROWBAND_CMN), by_call, is_narrowband=True)]
     elif args.search:
         rows = [measure(name, DecoderOptions(), items, search) for name, search in SEARCH_SETTINGS.items()]
     else:

@@ -168,6 +168,9 @@ def test_abort_mid_turn_returns_the_decoder_and_a_turn_over_a_full_pool_waits_fo
     ({"fwdflat": "yes"}, "factory_args.fwdflat", "true or false"),
     ({"max_hmms_per_frame": 50}, "factory_args.max_hmms_per_frame", r"integer in \[100, 1000000\]"),
     ({"beam": 1e-48}, "factory_args.beam", "unknown key"),
+    ({"narrowband_streams": -1}, "factory_args.narrowband_streams", r"integer in \[0, 1024\]"),
+    ({"engine": "whisper", "narrowband_streams": 2}, "factory_args.narrowband_streams",
+     "only for engine pocketsphinx"),
 ])
 def test_bad_factory_args_name_the_field(factory_args: dict[str, Any], field: str, match: str) -> None:
     cfg = pipeline_from_dict(asr_config(**factory_args))

@@ -14,7 +14,13 @@ from speech_text import SENTENCES, by_phone, chunks, speech, word_error_rate
 
 from voice_server.audio import float32_to_pcm16
 from voice_server.runners.admission import AdmissionRules, admit
-from voice_server.runners.asr_decoders import NARROWBAND_CMN, SPEECH_CMN, DecoderOptions, DecoderPool
+from voice_server.runners.asr_decoders import (
+    NARROWBAND_CMN,
+    SPEECH_CMN,
+    DecoderOptions,
+    DecoderPool,
+    SphinxRecognizer,
+)
 from voice_server.runners.asr_runner import AsrRunner
 from voice_server.scheduling import AdmissionError, CapacityError, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
@@ -271,6 +277,7 @@ def test_the_thinker_takes_the_asr_result_as_its_request(runner: AsrRunner) -> N
     ({"max_hmms_per_frame": 10}, "max_hmms_per_frame: must be an integer >= 100"),
     ({"is_fwdflat": 1}, "is_fwdflat: must be a bool"),
     ({"narrowband_cmn": "1,2"}, "narrowband_cmn: must be 13 comma-separated numbers"),
+    ({"narrowband_mllr": "/nonexistent/phone.mllr"}, "narrowband_mllr: must be an MLLR file's path or ''"),
 ])
 def test_decoder_options_name_the_bad_field(fields: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -312,6 +319,52 @@ def test_a_phone_turn_is_heard_from_the_narrowband_cepstral_mean(runner: AsrRunn
     print({rate: [round(e, 2) for e in found] for rate, found in errors.items()})
     # NOTE: measured 0.31 (0.33, 0.0, 0.6) against 0.97: the narrowband mean is the difference
     assert np.mean(errors[8000]) <= 0.45 and np.mean(errors[16000]) - np.mean(errors[8000]) >= 0.3, errors
+
+
+def test_a_phone_turn_is_heard_by_a_decoder_adapted_to_phone_audio(runner: AsrRunner) -> None:
+    """With a narrowband decoder free (`num_narrowband`), a call's turn is decoded by the model adapted to 8 kHz
+    audio (`NARROWBAND_MLLR`) and heard better than by a 16 kHz decoder from the narrowband mean alone (what the
+    `runner` fixture's pool, which has none, lends it)."""
+    phone = AsrRunner(DecoderPool(1, num_narrowband=1))
+    errors: dict[str, list[float]] = {"adapted": [], "16 kHz decoder": []}
+    for text in SENTENCES:
+        pieces = chunks(by_phone(speech(text)), 20)
+        for name, over in (("adapted", phone), ("16 kHz decoder", runner)):
+            rid = f"{text} by {name}"
+            emits = run(over, [new_stream(rid, [], {"source_rate": 8000}),
+                               *(chunk(rid, i, p) for i, p in enumerate(pieces)), done(rid, len(pieces))])
+            errors[name].append(word_error_rate(text, emits[-1].payload["input_transcript"]))
+            over.release(rid)
+    print({name: [round(e, 2) for e in found] for name, found in errors.items()})
+    assert np.mean(errors["adapted"]) <= 0.2 and np.mean(errors["adapted"]) < np.mean(errors["16 kHz decoder"]), errors
+
+
+def test_calls_take_the_narrowband_decoders_and_borrow_16_khz_ones_never_the_reverse() -> None:
+    pool = DecoderPool(1, max_decoders=4, num_narrowband=1)
+    assert pool.num_decoders == 2 and pool.num_free == 2
+
+    def band(recognizer: object) -> bool:
+        assert isinstance(recognizer, SphinxRecognizer)
+        return recognizer.is_narrowband
+
+    call = pool.acquire(is_narrowband=True)
+    assert band(call)
+    assert pool.acquire(is_narrowband=False) is not None and pool.num_free == 0
+    assert pool.acquire(is_narrowband=True) is None and pool.acquire() is None
+    pool.give_back(call, is_in_utterance=False)  # NOTE: back to its own band
+    assert pool.acquire(is_narrowband=False) is None  # NOTE: a 16 kHz turn waits rather than take it
+    again = pool.acquire(is_narrowband=True)
+    assert again is call
+    grown = pool.grow(is_narrowband=True)
+    assert band(grown) and pool.num_decoders == 3
+    pool.give_back(grown, is_in_utterance=False)
+    # NOTE: a second call finds the grown narrowband decoder, a third borrows the 16 kHz one given back.
+    wide = pool.grow()
+    assert not band(wide)
+    wide.start()
+    pool.give_back(wide, is_in_utterance=True)  # NOTE: an aborted turn's decoder also goes back to its band
+    assert band(pool.acquire(is_narrowband=True)) and not band(pool.acquire(is_narrowband=True))
+    assert pool.grow() is None and pool.num_decoders == 4
 
 
 def test_a_streamed_turns_confident_words_drop_what_noise_made_up(runner: AsrRunner) -> None:

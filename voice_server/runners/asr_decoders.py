@@ -7,6 +7,10 @@ before it reports ready and a request only borrows one. Everything a decoder lea
 utterance (its live cepstral mean) is reset when it is lent again, so a transcript does not depend
 on which decoder, or which earlier speaker's audio, it got.
 
+A phone call's audio (8 kHz, nothing above 4 kHz) is heard by decoders of its own: the same model with its
+Gaussians' means moved to where such audio puts speech (`NARROWBAND_MLLR`). The pool builds
+`num_narrowband` of them beside the others; a call that finds none free borrows a 16 kHz one.
+
 The models are the en-us acoustic model, `en-us.lm.bin` and `cmudict-en-us.dict` inside the
 `pocketsphinx` wheel: nothing is downloaded.
 """
@@ -51,6 +55,17 @@ heard as "what what". Word error rate on the turn-taking set from `SPEECH_CMN`: 
 from this, 0.34 and 0.56 (16 kHz speech from `SPEECH_CMN`: 0.13 and 0.34; `loadtest/bench_asr.py --narrowband`)."""
 
 
+NARROWBAND_MLLR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "asr_narrowband.mllr")
+"""The en-us model adapted to phone audio: per feature stream (cepstra, deltas, double deltas), a 13 x 13
+matrix, a bias and variance scales (PocketSphinx's MLLR file) that move each Gaussian's mean to where 8 kHz
+audio puts it. A call's missing 4-7 kHz band moves every cepstral coefficient in a way that depends on the
+others; the matrices are a least-squares fit of the same sentences' cepstra sent through a phone on those
+sent as they are (hibari-tts sentences, none from the benchmark's set, clean and in noise; written by
+`loadtest/fit_narrowband_mllr.py`). Word error rate on the turn-taking set's calls (five seeds), clean / in
+noise: 0.34 / 0.54 from `NARROWBAND_CMN` alone, 0.16 / 0.52 with this (`loadtest/bench_asr.py --narrowband`;
+16 kHz speech: 0.13 / 0.34). A diagonal transform (each coefficient scaled alone) gained nothing."""
+
+
 MIN_WORD_POSTERIOR = 0.05
 """A word of the final hypothesis at least this probable (its lattice posterior) is one the recogniser is
 sure of. Measured on the turn-taking set's backchannels and barge-ins: the words PocketSphinx makes of
@@ -85,6 +100,9 @@ class DecoderOptions:
     """Every utterance's starting cepstral mean (13 comma-separated numbers)..."""
     narrowband_cmn: str = NARROWBAND_CMN
     """...and that of an utterance captured at 8 kHz (`voice_server.audio.NARROWBAND_MAX_RATE`)."""
+    narrowband_mllr: str = NARROWBAND_MLLR
+    """The transform of the narrowband decoders' model ("": none, calls are heard by the 16 kHz model from the
+    narrowband mean alone)."""
     max_hmms_per_frame: int = 3000
     """PocketSphinx's `maxhmmpf`: the search keeps at most this many active HMMs per frame. Its own default
     (30000) costs ~0.24 s of CPU per second of speech; 3000 about 0.12 s, for +0.02 word error rate in
@@ -99,6 +117,9 @@ class DecoderOptions:
             parts = cmn.split(",") if isinstance(cmn, str) else []
             if len(parts) != 13 or not all(_is_number(p) for p in parts):
                 raise ValueError(f"DecoderOptions.{name}: must be 13 comma-separated numbers, got {cmn!r}")
+        mllr = self.narrowband_mllr
+        if not isinstance(mllr, str) or (mllr and not os.path.isfile(mllr)):
+            raise ValueError(f"DecoderOptions.narrowband_mllr: must be an MLLR file's path or '', got {mllr!r}")
         value = self.max_hmms_per_frame
         if isinstance(value, bool) or not isinstance(value, int) or value < 100:
             raise ValueError(f"DecoderOptions.max_hmms_per_frame: must be an integer >= 100, got {value!r}")
@@ -111,8 +132,11 @@ def model_paths() -> dict[str, str]:
             "dict": os.path.join(root, "cmudict-en-us.dict")}
 
 
-def build_decoder(options: DecoderOptions, **search: float) -> Decoder:
-    """A decoder of `options`; `search`: further PocketSphinx arguments as they are (`loadtest/bench_asr.py`)."""
+def build_decoder(options: DecoderOptions, is_narrowband: bool = False, **search: float | str) -> Decoder:
+    """A decoder of `options` (`is_narrowband`: its model adapted to phone audio, `options.narrowband_mllr`);
+    `search`: further PocketSphinx arguments as they are (`loadtest/bench_asr.py`)."""
+    if is_narrowband and options.narrowband_mllr:
+        search = {"mllr": options.narrowband_mllr, **search}
     # NOTE: loglevel ERROR: at INFO PocketSphinx writes hundreds of lines per decoder to the stage's stderr.
     return Decoder(**model_paths(), samprate=SAMPLING_RATE, fwdflat=options.is_fwdflat,
                    maxhmmpf=options.max_hmms_per_frame, loglevel="ERROR", **search)
@@ -121,9 +145,11 @@ def build_decoder(options: DecoderOptions, **search: float) -> Decoder:
 class SphinxRecognizer:
     """One PocketSphinx decoder as a `Recognizer`: each chunk is decoded as it is fed."""
 
-    def __init__(self, decoder: Decoder, options: DecoderOptions) -> None:
+    def __init__(self, decoder: Decoder, options: DecoderOptions, is_narrowband: bool = False) -> None:
         self.decoder = decoder
         self.options = options
+        self.is_narrowband = is_narrowband
+        """Its model is the one adapted to phone audio (`build_decoder`)."""
         self._words: list[tuple[str, float]] | None = None
         """The last finished utterance's words and posteriors, once asked for (`_final_words`)."""
 
@@ -174,33 +200,37 @@ class SphinxRecognizer:
 
 
 class DecoderPool:
-    """`num_decoders` decoders built at construction; `acquire` lends a free one (None when all are lent),
-    `grow` builds one more, up to `max_decoders`."""
+    """`num_decoders` decoders for 16 kHz audio and `num_narrowband` for phone audio, built at construction;
+    `acquire` lends a free one (None when all are lent), `grow` builds one more, up to `max_decoders` in all."""
 
     def __init__(
         self, num_decoders: int, options: DecoderOptions | None = None, name: str = "asr",
-        progress: Callable[[str], None] | None = None, max_decoders: int | None = None,
+        progress: Callable[[str], None] | None = None, max_decoders: int | None = None, num_narrowband: int = 0,
     ) -> None:
         """`progress` hears each start-up step (the stage's `ctx.progress`); by default they are logged.
-        `max_decoders` (default `num_decoders`: no growth) bounds `grow`."""
+        `max_decoders` (default all those built: no growth) bounds `grow`."""
         if isinstance(num_decoders, bool) or not isinstance(num_decoders, int) or num_decoders < 1:
             raise ValueError(f"DecoderPool.num_decoders: must be an integer >= 1, got {num_decoders!r}")
-        self.max_decoders = num_decoders if max_decoders is None else max(num_decoders, max_decoders)
+        if isinstance(num_narrowband, bool) or not isinstance(num_narrowband, int) or num_narrowband < 0:
+            raise ValueError(f"DecoderPool.num_narrowband: must be an integer >= 0, got {num_narrowband!r}")
+        num_built = num_decoders + num_narrowband
+        self.max_decoders = num_built if max_decoders is None else max(num_built, max_decoders)
         self.options = options or DecoderOptions()
         self.name = name
         report = progress or (lambda phase: log.info("stage %s: %s", name, phase))
         started = time.monotonic()
-        decoders: list[Decoder] = []
-        for index in range(num_decoders):
-            report(f"building speech decoders ({index}/{num_decoders} ready, {time.monotonic() - started:.1f} s)")
-            decoders.append(self._build())
-        self.num_decoders = num_decoders
+        self._free: dict[bool, list[SphinxRecognizer]] = {False: [], True: []}
+        """Free decoders by `is_narrowband`."""
+        for index in range(num_built):
+            report(f"building speech decoders ({index}/{num_built} ready, {time.monotonic() - started:.1f} s)")
+            is_narrowband = index >= num_decoders
+            self._free[is_narrowband].append(SphinxRecognizer(self._build(is_narrowband), self.options, is_narrowband))
+        self.num_decoders = num_built
         self.load_s = time.monotonic() - started
         """Seconds it took to build and warm the whole pool."""
-        self._free = [SphinxRecognizer(decoder, self.options) for decoder in decoders]
 
-    def _build(self) -> Decoder:
-        decoder = build_decoder(self.options)
+    def _build(self, is_narrowband: bool) -> Decoder:
+        decoder = build_decoder(self.options, is_narrowband)
         noise = np.random.default_rng(0).normal(0.0, 30.0, _WARM_UP_SAMPLES).astype(np.int16)
         decoder.start_utt()
         decoder.process_raw(noise.tobytes(), False, False)
@@ -209,24 +239,29 @@ class DecoderPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free[False]) + len(self._free[True])
 
-    def acquire(self) -> SphinxRecognizer | None:
-        return self._free.pop() if self._free else None
+    def acquire(self, is_narrowband: bool = False) -> SphinxRecognizer | None:
+        """A free decoder for audio of that band; a call finding none of its own borrows a 16 kHz one (heard
+        from the narrowband mean alone, as before there were narrowband decoders) rather than wait."""
+        free = self._free[is_narrowband] or (self._free[False] if is_narrowband else [])
+        return free.pop() if free else None
 
-    def grow(self) -> SphinxRecognizer | None:
+    def grow(self, is_narrowband: bool = False) -> SphinxRecognizer | None:
         if self.num_decoders >= self.max_decoders:
             return None
         started = time.monotonic()
-        recognizer = SphinxRecognizer(self._build(), self.options)
+        recognizer = SphinxRecognizer(self._build(is_narrowband), self.options, is_narrowband)
         self.num_decoders += 1
-        log.info("stage %s: built speech decoder %d of at most %d in %.2f s (every one was busy)", self.name,
-                 self.num_decoders, self.max_decoders, time.monotonic() - started)
+        log.info("stage %s: built %s speech decoder %d of at most %d in %.2f s (every one was busy)", self.name,
+                 "a narrowband" if is_narrowband else "a", self.num_decoders, self.max_decoders,
+                 time.monotonic() - started)
         return recognizer
 
     def give_back(self, recognizer: Recognizer, is_in_utterance: bool) -> None:
         """Return a lent decoder; an utterance still open (an aborted stream) is ended first."""
         assert isinstance(recognizer, SphinxRecognizer)
+        is_narrowband = recognizer.is_narrowband
         if is_in_utterance:
             try:
                 recognizer.decoder.end_utt()
@@ -234,5 +269,5 @@ class DecoderPool:
                 # NOTE: a decoder in an unknown state is not lent again; a new one takes its place.
                 log.exception("stage %s: a speech decoder failed to end its utterance; building a new one",
                               self.name)
-                recognizer = SphinxRecognizer(self._build(), self.options)
-        self._free.append(recognizer)
+                recognizer = SphinxRecognizer(self._build(is_narrowband), self.options, is_narrowband)
+        self._free[is_narrowband].append(recognizer)

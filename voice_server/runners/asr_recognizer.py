@@ -49,9 +49,11 @@ class RecognizerPool(Protocol):
     @property
     def num_free(self) -> int: ...
 
-    def acquire(self) -> Recognizer | None: ...
+    def acquire(self, is_narrowband: bool = False) -> Recognizer | None:
+        """A free recogniser for audio captured at 8 kHz (`is_narrowband`, a phone call) or at 16 kHz; an engine
+        may have recognisers of its own for calls (PocketSphinx) or hear both alike (Whisper)."""
 
-    def grow(self) -> Recognizer | None:
+    def grow(self, is_narrowband: bool = False) -> Recognizer | None:
         """One more recogniser, lent at once; None at `max_decoders`. May take a while (a PocketSphinx decoder
         takes 0.3-0.9 s to build), so only for a turn that cannot wait longer."""
 

@@ -21,7 +21,8 @@ A streamed turn (`submit(..., stream_input=True)`, the user's audio while they s
   hypotheses, most likely first (the session's end-of-turn rule reads their last words too).
 
 Either kind may say in `params["source_rate"]` (an integer, Hz) what rate the user's audio was captured at before
-it was resampled to 16 kHz: at 8 kHz or less (a phone call) PocketSphinx starts from its narrowband cepstral mean
+it was resampled to 16 kHz: at 8 kHz or less (a phone call) PocketSphinx hears it with a decoder adapted to phone
+audio where the pool has one free (`asr_decoders.NARROWBAND_MLLR`), from its narrowband cepstral mean
 (`asr_decoders.NARROWBAND_CMN`). Sessions send their input rate.
 
 A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and no or empty `content`)
@@ -141,9 +142,9 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
                                        self.config.max_num_samples, is_empty_allowed=True)
         is_narrowband = _source_rate(item.params) <= NARROWBAND_MAX_RATE
         # NOTE: last: a refusal above must not hold a decoder. A turn queued behind waiting ones waits too.
-        recognizer = None if item.is_stream and self._waiting else self.pool.acquire()
+        recognizer = None if item.is_stream and self._waiting else self.pool.acquire(is_narrowband)
         if recognizer is None and not item.is_stream:
-            recognizer = self._grow()
+            recognizer = self._grow(is_narrowband)
         if recognizer is None and (not item.is_stream or len(self._waiting) >= self.pool.max_decoders):
             self._counters["num_busy_refusals"] += 1
             raise CapacityError(f"all {self.pool.num_decoders} speech decoders are busy and "
@@ -154,18 +155,19 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
             self._counters["num_waits"] += 1
         return dataclasses.replace(item, payload={"messages": messages})
 
-    def _grow(self) -> Recognizer | None:
-        recognizer = self.pool.grow()
+    def _grow(self, is_narrowband: bool) -> Recognizer | None:
+        recognizer = self.pool.grow(is_narrowband)
         self._counters["num_grown"] += recognizer is not None
         return recognizer
 
     def _lend(self, rid: str, request: _Request, is_ending: bool) -> bool:
         """Give a waiting turn a recogniser if one is free and none waits before it (or, for a turn that has
         ended, one more built), and run the items it kept; False: it goes on waiting."""
+        band = request.is_narrowband
         if next(iter(self._waiting)) != rid:
-            recognizer = self._grow() if is_ending else None
+            recognizer = self._grow(band) if is_ending else None
         else:
-            recognizer = self.pool.acquire() or (self._grow() if is_ending else None)
+            recognizer = self.pool.acquire(band) or (self._grow(band) if is_ending else None)
         if recognizer is None:
             return False
         del self._waiting[rid]

@@ -150,10 +150,10 @@ class WhisperPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self) -> WhisperRecognizer | None:
+    def acquire(self, is_narrowband: bool = False) -> WhisperRecognizer | None:
         return self._free.pop() if self._free else None
 
-    def grow(self) -> WhisperRecognizer | None:
+    def grow(self, is_narrowband: bool = False) -> WhisperRecognizer | None:
         if self.num_decoders >= self.max_decoders:
             return None
         self.num_decoders += 1  # NOTE: an audio buffer: the model is shared
