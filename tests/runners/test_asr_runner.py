@@ -339,7 +339,7 @@ def test_a_phone_turn_is_heard_by_a_decoder_adapted_to_phone_audio(runner: AsrRu
     assert np.mean(errors["adapted"]) <= 0.2 and np.mean(errors["adapted"]) < np.mean(errors["16 kHz decoder"]), errors
 
 
-def test_calls_take_the_narrowband_decoders_and_borrow_16_khz_ones_never_the_reverse() -> None:
+def test_each_band_takes_its_own_decoders_and_borrows_the_others_rather_than_wait() -> None:
     pool = DecoderPool(1, max_decoders=4, num_narrowband=1)
     assert pool.num_decoders == 2 and pool.num_free == 2
 
@@ -347,24 +347,19 @@ def test_calls_take_the_narrowband_decoders_and_borrow_16_khz_ones_never_the_rev
         assert isinstance(recognizer, SphinxRecognizer)
         return recognizer.is_narrowband
 
-    call = pool.acquire(is_narrowband=True)
-    assert band(call)
-    assert pool.acquire(is_narrowband=False) is not None and pool.num_free == 0
+    call, wide = pool.acquire(is_narrowband=True), pool.acquire(is_narrowband=False)
+    assert band(call) and not band(wide) and pool.num_free == 0
     assert pool.acquire(is_narrowband=True) is None and pool.acquire() is None
-    pool.give_back(call, is_in_utterance=False)  # NOTE: back to its own band
-    assert pool.acquire(is_narrowband=False) is None  # NOTE: a 16 kHz turn waits rather than take it
-    again = pool.acquire(is_narrowband=True)
-    assert again is call
-    grown = pool.grow(is_narrowband=True)
-    assert band(grown) and pool.num_decoders == 3
-    pool.give_back(grown, is_in_utterance=False)
-    # NOTE: a second call finds the grown narrowband decoder, a third borrows the 16 kHz one given back.
-    wide = pool.grow()
-    assert not band(wide)
+    pool.give_back(call, is_in_utterance=False)  # NOTE: back among its own band's
+    borrowed = pool.acquire(is_narrowband=False)  # NOTE: a 16 kHz turn borrows it rather than wait
+    assert borrowed is call
+    pool.give_back(borrowed, is_in_utterance=False)
     wide.start()
     pool.give_back(wide, is_in_utterance=True)  # NOTE: an aborted turn's decoder also goes back to its band
-    assert band(pool.acquire(is_narrowband=True)) and not band(pool.acquire(is_narrowband=True))
-    assert pool.grow() is None and pool.num_decoders == 4
+    assert pool.acquire(is_narrowband=True) is call and pool.acquire(is_narrowband=True) is wide
+    # NOTE: grown decoders are of the band asked for, within max_decoders in all.
+    assert band(pool.grow(is_narrowband=True)) and not band(pool.grow()) and pool.num_decoders == 4
+    assert pool.grow() is None and pool.grow(is_narrowband=True) is None
 
 
 def test_a_streamed_turns_confident_words_drop_what_noise_made_up(runner: AsrRunner) -> None:

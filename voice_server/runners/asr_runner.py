@@ -23,7 +23,8 @@ A streamed turn (`submit(..., stream_input=True)`, the user's audio while they s
 Either kind may say in `params["source_rate"]` (an integer, Hz) what rate the user's audio was captured at before
 it was resampled to 16 kHz: at 8 kHz or less (a phone call) PocketSphinx hears it with a decoder adapted to phone
 audio where the pool has one free (`asr_decoders.NARROWBAND_MLLR`), from its narrowband cepstral mean
-(`asr_decoders.NARROWBAND_CMN`). Sessions send their input rate.
+(`asr_decoders.NARROWBAND_CMN`); a turn of either kind takes a decoder of the other kind rather than wait. Sessions
+send their input rate.
 
 A whole request, NEW `{"messages": [...]}`: each user message with `audio` (and no or empty `content`)
 is transcribed on its own and becomes `{"role": "user", "content": transcript}`; RESULT `{"input_transcript":

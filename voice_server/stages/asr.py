@@ -16,8 +16,8 @@ factory_args (all optional):
   the stage's memory budget (`memory_fraction`) holds; beyond, it is refused alone as an overload.
 - `narrowband_streams` (0, pocketsphinx only): decoders built beside them for phone calls (8 kHz audio:
   `/twilio/media`, G.711 on `/v1/realtime`), their model adapted to it (word error rate on calls 0.34 -> 0.16
-  clean, 0.54 -> 0.52 in noise). A call that finds none free borrows a 16 kHz one, heard as before; grown
-  ones count in the same memory budget.
+  clean, 0.54 -> 0.52 in noise). A turn that finds none of its kind free borrows the other kind (heard worse,
+  not later); grown ones count in the same memory budget.
 - `max_audio_seconds` (60): the longest turn (or a whole request's audio); longer is refused alone.
 - `fwdflat` (false, pocketsphinx only): PocketSphinx's second search pass at the end of each utterance
   (~50 ms more latency before the thinker can start, for no measured accuracy gain on synthetic speech).
