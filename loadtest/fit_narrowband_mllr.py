@@ -21,6 +21,7 @@ Usage: OMP_NUM_THREADS=1 python loadtest/fit_narrowband_mllr.py [--out PATH]   (
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -32,10 +33,11 @@ sys.path[:0] = [str(ROOT), str(ROOT.parent / "tests")]
 
 import numpy as np  # noqa: E402
 import numpy.typing as npt  # noqa: E402
+from bench_asr import decode  # noqa: E402
+from pocketsphinx import Decoder  # noqa: E402
 from speech_text import by_phone  # noqa: E402
-from turntaking_set import _rng, _voice, place  # noqa: E402
+from turntaking_set import Item, _rng, _voice, place  # noqa: E402
 
-from voice_server.audio import float32_to_pcm16  # noqa: E402
 from voice_server.runners.asr_decoders import (  # noqa: E402
     NARROWBAND_CMN,
     NARROWBAND_MLLR,
@@ -74,16 +76,12 @@ RIDGE = 1.0
 """A small ridge on the fit (frames number ~10^5: it only keeps the solve well conditioned)."""
 
 
-def cepstra(decoder: object, audio: npt.NDArray[np.float32], cmn: str, folder: str) -> npt.NDArray[np.float32]:
-    """PocketSphinx's cepstra of `audio` (before mean normalisation), fed in 20 ms chunks as the stage does."""
+def cepstra(decoder: Decoder, item: Item, cmn: str, folder: str) -> npt.NDArray[np.float32]:
+    """PocketSphinx's cepstra of `item` (before mean normalisation), decoded from `cmn` as the stage feeds a turn
+    (`bench_asr.decode`: 20 ms chunks); `decoder` writes them to `folder` (its `mfclogdir`)."""
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))
-    pcm = float32_to_pcm16(audio)
-    decoder.set_cmn(cmn)  # type: ignore[attr-defined]
-    decoder.start_utt()  # type: ignore[attr-defined]
-    for i in range(0, pcm.size, 320):
-        decoder.process_raw(pcm[i:i + 320].tobytes(), False, False)  # type: ignore[attr-defined]
-    decoder.end_utt()  # type: ignore[attr-defined]
+    decode(decoder, DecoderOptions(initial_cmn=cmn), item)
     [name] = os.listdir(folder)
     path = os.path.join(folder, name)
     # NOTE: an int32 count of the floats that follow, in the byte order the file was written in (big-endian here).
@@ -152,13 +150,14 @@ def main() -> None:
         for i, text in enumerate(TEXTS):
             for j, (speed, level, snr) in enumerate(CONDITIONS):
                 rng = _rng(7, "narrowband", i * len(CONDITIONS) + j)
-                wide = place("narrowband", text, _voice(tts, text, speed, 7000 + i), rng, level_db=level,
-                             snr_db=snr, speed=speed).audio
+                item = place("narrowband", text, _voice(tts, text, speed, 7000 + i), rng, level_db=level,
+                             snr_db=snr, speed=speed)
+                wide = item.audio
                 narrow = by_phone(wide)
                 narrow = narrow[delay_of(wide, narrow):]
                 n = min(wide.size, narrow.size)
-                w = features(cepstra(decoder, wide[:n], SPEECH_CMN, folder))
-                v = features(cepstra(decoder, narrow[:n], NARROWBAND_CMN, folder))
+                w = features(cepstra(decoder, dataclasses.replace(item, audio=wide[:n]), SPEECH_CMN, folder))
+                v = features(cepstra(decoder, dataclasses.replace(item, audio=narrow[:n]), NARROWBAND_CMN, folder))
                 m = min(len(w), len(v))
                 pairs.append((w[4:m - 4], v[4:m - 4]))  # NOTE: the edges' deltas are padding
             print(f"{i + 1}/{len(TEXTS)} sentences", flush=True)

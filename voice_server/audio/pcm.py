@@ -23,7 +23,8 @@ __all__ = ["NARROWBAND_MAX_RATE", "b64decode", "b64encode", "float32_to_pcm16", 
 PCM16_SCALE = 32768.0
 NARROWBAND_MAX_RATE = 8000
 """Audio captured at this rate or lower is narrowband (a phone line's: nothing above 4 kHz). The recogniser
-starts such a turn from its own cepstral mean, and the end-of-turn rules trust its alternatives less."""
+hears such a turn with decoders adapted to it, from its own cepstral mean, and the end-of-turn rules trust its
+alternatives less."""
 _LE_INT16 = np.dtype("<i2")
 
 
