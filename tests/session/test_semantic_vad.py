@@ -12,7 +12,7 @@ from voice_server.audio import float32_to_pcm16, frame_levels_db, resample_signa
 from voice_server.session.config import SessionConfig
 from voice_server.session.detectors import make_detector
 from voice_server.session.end_of_turn import OnsetHeard, OnsetLost, SilenceStarted
-from voice_server.session.semantic_vad import SemanticTurnDetector
+from voice_server.session.semantic_vad import SILENT_DB, SemanticTurnDetector
 from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.vad import SpeechStarted, SpeechStopped, TurnDetector
 
@@ -91,6 +91,49 @@ def test_a_noise_burst_or_a_cough_opens_no_turn(kind: str) -> None:
         sound = (0.3 * envelope * rng.standard_normal(t.size)).astype(np.float32)
     audio = np.concatenate([room(500), sound, room(1500, seed=2)])
     assert feed_all(SemanticTurnDetector(SEMANTIC, ASR_RATE), audio, ASR_RATE) == []
+
+
+class CountingSession:
+    """Silero's shared `InferenceSession`, counting the windows it scores (the detector under test is real)."""
+
+    def __init__(self, session: object) -> None:
+        self.session, self.num_runs = session, 0
+
+    def run(self, *args: object, **kwargs: object) -> object:
+        self.num_runs += 1
+        return self.session.run(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+def counting_detector() -> tuple[SemanticTurnDetector, CountingSession]:
+    detector = SemanticTurnDetector(SEMANTIC, ASR_RATE)
+    counter = CountingSession(detector._vad.session)
+    detector._vad.session = counter  # type: ignore[assignment]
+    return detector, counter
+
+
+def test_silence_with_no_turn_open_costs_no_model_call() -> None:
+    """An open microphone under `SILENT_DB` is not scored while no turn is open; a turn's own pauses are
+    (the gate and the pause need their probabilities), and the turn's events are those of a detector that
+    scores every window."""
+    question = speech("How many legs does a spider have?", silence_s=0.0)
+    quiet = room(2000) * np.float32(10 ** ((SILENT_DB - 10 + 60) / 20))  # NOTE: 10 dB under SILENT_DB
+    audio = np.concatenate([quiet, question, quiet])
+    detector, counter = counting_detector()
+    feed_all(detector, quiet, ASR_RATE)
+    assert counter.num_runs == 0
+    detector, counter = counting_detector()
+    events = feed_all(detector, audio, ASR_RATE)
+    num_windows = audio.size // 512
+    every, every_counter = counting_detector()
+    every.silent_db = -np.inf
+    every_events = feed_all(every, audio, ASR_RATE)
+    assert [type(e) for _, e in events] == [SpeechStarted, SilenceStarted, SpeechStopped]
+    # NOTE: scoring every window, Silero's lag after the last word (its state still "speech") opened a second,
+    # empty turn right after this quick commit; a window under SILENT_DB opens none.
+    assert [(type(e), vars(e)) for _, e in events] == [(type(e), vars(e)) for _, e in every_events[:3]]
+    assert every_counter.num_runs == num_windows
+    # NOTE: the question and its pause, up to the commit, and the windows replayed before its onset
+    assert counter.num_runs < num_windows - 2000 // 32
 
 
 @pytest.mark.parametrize("rate", [8000, 24000, 48000])

@@ -216,3 +216,35 @@ def test_silero_periodic_reset_after_clear_non_speech() -> None:
     fresh = _vad().feed(audio[63 * SileroVad.WINDOW:])
     assert _vad().feed(audio)[63:] == fresh
     assert _vad(is_periodic_reset=False).feed(audio)[63:] != fresh
+
+
+def test_silero_skipped_windows_are_replayed_before_the_next_score() -> None:
+    # NOTE: up to NUM_REPLAYED_WINDOWS skipped windows, the stream scores the speech after them exactly as
+    # one that scored every window; skipping costs no model call until then, and scores 0.
+    speech = _speech("How many legs does a spider have?")
+    gap = (np.random.default_rng(3).standard_normal(SileroVad.NUM_REPLAYED_WINDOWS * SileroVad.WINDOW)
+           * 10 ** (-70 / 20)).astype(np.float32)
+    audio = np.concatenate([speech, gap, speech])
+    scored = _vad().feed(audio)
+    vad, got = _vad(), []
+    num_first, num_gap = len(speech) // SileroVad.WINDOW, SileroVad.NUM_REPLAYED_WINDOWS
+    for index, (window, _) in enumerate(vad.windows(audio)):
+        is_gap = num_first < index <= num_first + num_gap - 1  # NOTE: the windows wholly inside the gap
+        got.append(vad.skip(window) if is_gap else vad.score(window))
+    assert all(p == 0.0 for p in got[num_first + 1:num_first + num_gap])
+    assert got[num_first + num_gap:] == scored[num_first + num_gap:]
+
+
+def test_silero_skipped_silence_counts_toward_the_periodic_reset() -> None:
+    # NOTE: 80 skipped windows of silence reset the state (as 80 scored ones do, above), so speech after them
+    # scores as in a fresh stream once the replayed windows are scored too (until either stream's next
+    # periodic reset, which their counts since the last one place apart).
+    silence = np.zeros(80 * SileroVad.WINDOW, np.float32)
+    speech = _speech("What is two plus two?")
+    vad = _vad()
+    vad.feed(_speech("Please tell me the weather in London tomorrow morning.")[:30 * SileroVad.WINDOW])
+    for window, _ in vad.windows(silence):
+        assert vad.skip(window) == 0.0
+    fresh = _vad()
+    fresh.feed(silence[-SileroVad.NUM_REPLAYED_WINDOWS * SileroVad.WINDOW:])
+    assert vad.feed(speech)[:40] == fresh.feed(speech)[:40]

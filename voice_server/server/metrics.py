@@ -170,14 +170,15 @@ class ConnectionMetrics:
 
     def count_session(self, session: Any) -> None:
         """Count the barge-ins and speculative responses `session` (a `Session`) made since the last call."""
-        metrics = self.metrics
-        for key, total, counter in (
-                ("barge_ins", session.num_barge_ins, metrics.barge_ins),
-                ("speculations", session.num_speculations, metrics.speculations.labels("started")),
-                ("discarded", session.num_discarded_speculations, metrics.speculations.labels("discarded"))):
-            if int(total) > self._counted[key]:
-                counter.inc(int(total) - self._counted[key])
-            self._counted[key] = int(total)
+        # NOTE: called for every input frame: the labelled counters are looked up only when a count moved.
+        metrics, counted = self.metrics, self._counted
+        for key, total in (("barge_ins", int(session.num_barge_ins)), ("speculations", int(session.num_speculations)),
+                           ("discarded", int(session.num_discarded_speculations))):
+            if total > counted[key]:
+                counter = (metrics.barge_ins if key == "barge_ins"
+                           else metrics.speculations.labels("started" if key == "speculations" else "discarded"))
+                counter.inc(total - counted[key])
+            counted[key] = total
 
     def observe(self, event: SessionEvent) -> None:
         now = time.monotonic()

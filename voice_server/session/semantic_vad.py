@@ -4,7 +4,8 @@
 Why Silero for onsets and pauses (measured in `loadtest/bench_vad_noise.py`, docs/BENCHMARKS.md): webrtcvad
 opened a turn on every 180 ms noise burst and every synthetic cough (12/12 each), Silero on none, and
 Silero keeps ~0.96 of speech frames at 5 dB SNR of white noise where webrtcvad keeps ~0.87. It costs
-~0.15 ms per 32 ms window, run inline in the session's `feed`.
+~0.15 ms per 32 ms window, run inline in the session's `feed`, and not at all on a window under `SILENT_DB`
+while no turn is open (an open microphone's silence: most of a call).
 
 The models are loaded once per process (`shared_models`) and shared by every session: Silero's
 `InferenceSession` (each stream keeps its own recurrent state) and `SmartTurnModel`, whose `predict`
@@ -44,7 +45,8 @@ from voice_server.session.turn_config import TurnDetectionConfig
 from voice_server.session.turn_models import SileroVad, SmartTurnModel, load_silero_session
 from voice_server.session.vad import INPUT_RATES
 
-__all__ = ["EndOfTurnModels", "QuietGate", "SemanticTurnDetector", "SilenceStarted", "SpeechResumed", "shared_models"]
+__all__ = ["SILENT_DB", "EndOfTurnModels", "QuietGate", "SemanticTurnDetector", "SilenceStarted", "SpeechResumed",
+           "shared_models"]
 
 MODEL_RATE = 16000
 QUIET_DB = -50.0
@@ -68,6 +70,13 @@ that turned noisy 0.3 s before it, and each pause came with Silero's 60-200 ms l
 (`loadtest/bench_turntaking.py`'s noisy items: 83 ms median from the last word to the end of speech,
 2 ms with the floor on these windows). A cough among them moves the median for a moment only, and the
 gate is always `SPEECH_MARGIN_DB` under the speaker."""
+SILENT_DB = -55.0
+"""With no turn open, a 32 ms window under this RMS level is silence: Silero is not run on it (it scores 0;
+`SileroVad.skip` replays the last few such windows through the model before the next one it scores). So this
+is the quietest sound that opens a turn, 29 dB under a talker at -26 dBFS; in an open turn every window is
+scored (the gate above needs them). Why: an open microphone in a quiet room, behind a browser's noise
+suppression or on a silent phone line is under it most of a call, and Silero was most of the server's CPU for
+such microphones (8 on `/ws`: 0.33-0.37 of a core with every window scored, 0.14 without)."""
 MIN_NOISE_WINDOWS = 8
 """The floor is not guessed from less (~0.25 s); until then the gate is `QUIET_DB`."""
 
@@ -135,6 +144,8 @@ class SemanticTurnDetector:
         self.machine = EndOfTurn(config)
         self._vad = SileroVad(self.models.silero)
         self.gate = QuietGate()
+        self.silent_db = SILENT_DB
+        """With no turn open, windows under this level score 0 without Silero (`SILENT_DB`)."""
         self._resampler = None if input_rate == MODEL_RATE else AlignedResampler(input_rate, MODEL_RATE)
 
     @property
@@ -173,8 +184,11 @@ class SemanticTurnDetector:
         if self._resampler is not None:
             audio = self._resampler.process(audio)
         events: list[object] = []
-        for probability, level_db in self._vad.feed_windows(audio):
-            events.extend(self.machine.step(probability, self.gate.is_quiet(probability, level_db)))
+        vad, machine = self._vad, self.machine
+        for window, level_db in vad.windows(audio):
+            is_skipped = level_db < self.silent_db and machine.phase is Phase.IDLE
+            probability = vad.skip(window) if is_skipped else vad.score(window)
+            events.extend(machine.step(probability, self.gate.is_quiet(probability, level_db)))
         return events
 
     def on_score(self, token: int, probability: float, is_unfinished: bool = False,
