@@ -49,6 +49,8 @@ class Client:
     """The protocol-independent half: mic, reader, player, the record."""
 
     endpoint, path, rate, out_rate = "", "", RATE, 24000
+    floor_db = FLOOR_DB
+    """The open microphone's level between utterances (white noise, dBFS)."""
 
     def __init__(self, port: int, seed: int = 0) -> None:
         self.url = f"ws://127.0.0.1:{port}{self.path}"
@@ -150,7 +152,7 @@ class Client:
             with self.lock:
                 frame, utterance, left = self._frames.popleft() if self._frames else (None, None, 0)
             if frame is None:
-                noise = self._rng.standard_normal(step) * 10 ** (FLOOR_DB / 20)
+                noise = self._rng.standard_normal(step) * 10 ** (self.floor_db / 20)
                 frame = float32_to_pcm16(noise.astype(np.float32))
             now = time.monotonic()
             try:
