@@ -75,8 +75,9 @@ SILENT_DB = -55.0
 `SileroVad.skip` replays the last few such windows through the model before the next one it scores). So this
 is the quietest sound that opens a turn, 29 dB under a talker at -26 dBFS; in an open turn every window is
 scored (the gate above needs them). Why: an open microphone in a quiet room, behind a browser's noise
-suppression or on a silent phone line is under it most of a call, and Silero was most of the server's CPU for
-such microphones (8 on `/ws`: 0.33-0.37 of a core with every window scored, 0.14 without)."""
+suppression or on a silent phone line is under it most of a call, and Silero was the largest part (35%) of the
+server's CPU for such microphones: 8 on `/ws` took 0.19 of a core with every window scored, 0.12 without
+(`loadtest/bench_open_mics.py`)."""
 MIN_NOISE_WINDOWS = 8
 """The floor is not guessed from less (~0.25 s); until then the gate is `QUIET_DB`."""
 
