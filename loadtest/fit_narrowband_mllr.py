@@ -14,7 +14,7 @@ error rate 0.145 / 0.50 clean / in noise, against 0.17 / 0.50 with the variances
 Sentences: none from the turn-taking set or the tests; hibari-tts at four speeds and five levels, clean and in
 white noise at 10-25 dB SNR, the set's -60 dBFS floor under all. Deterministic: the same file every run.
 
-Usage: OMP_NUM_THREADS=1 python loadtest/fit_narrowband_mllr.py [--out PATH]   (~4 min on one core), then
+Usage: OMP_NUM_THREADS=1 python loadtest/fit_narrowband_mllr.py [--out PATH]   (~7 min on one core), then
 `loadtest/bench_asr.py --narrowband` for the word error rates with and without it.
 """
 

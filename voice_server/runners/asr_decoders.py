@@ -225,18 +225,19 @@ class DecoderPool:
         for index in range(num_built):
             report(f"building speech decoders ({index}/{num_built} ready, {time.monotonic() - started:.1f} s)")
             is_narrowband = index >= num_decoders
-            self._free[is_narrowband].append(SphinxRecognizer(self._build(is_narrowband), self.options, is_narrowband))
+            self._free[is_narrowband].append(self._build(is_narrowband))
         self.num_decoders = num_built
         self.load_s = time.monotonic() - started
         """Seconds it took to build and warm the whole pool."""
 
-    def _build(self, is_narrowband: bool) -> Decoder:
+    def _build(self, is_narrowband: bool) -> SphinxRecognizer:
+        """A new decoder of that band, warmed up, as a recogniser."""
         decoder = build_decoder(self.options, is_narrowband)
         noise = np.random.default_rng(0).normal(0.0, 30.0, _WARM_UP_SAMPLES).astype(np.int16)
         decoder.start_utt()
         decoder.process_raw(noise.tobytes(), False, False)
         decoder.end_utt()
-        return decoder
+        return SphinxRecognizer(decoder, self.options, is_narrowband)
 
     @property
     def num_free(self) -> int:
@@ -254,7 +255,7 @@ class DecoderPool:
         if self.num_decoders >= self.max_decoders:
             return None
         started = time.monotonic()
-        recognizer = SphinxRecognizer(self._build(is_narrowband), self.options, is_narrowband)
+        recognizer = self._build(is_narrowband)
         self.num_decoders += 1
         log.info("stage %s: built %s speech decoder %d of at most %d in %.2f s (every one was busy)", self.name,
                  "a narrowband" if is_narrowband else "a", self.num_decoders, self.max_decoders,
@@ -272,5 +273,5 @@ class DecoderPool:
                 # NOTE: a decoder in an unknown state is not lent again; a new one takes its place.
                 log.exception("stage %s: a speech decoder failed to end its utterance; building a new one",
                               self.name)
-                recognizer = SphinxRecognizer(self._build(is_narrowband), self.options, is_narrowband)
+                recognizer = self._build(is_narrowband)
         self._free[is_narrowband].append(recognizer)
