@@ -232,3 +232,13 @@ def test_long_inputs_run_in_blocks_with_the_same_result(monkeypatch: pytest.Monk
     whole = _stream(StreamResampler(24000, 16000), [signal])
     monkeypatch.setattr(resample_module, "_MAX_BLOCK_PRODUCTS", 1000)  # ~8 outputs per block
     assert _stream(StreamResampler(24000, 16000), [signal]).tobytes() == whole.tobytes()
+
+
+@pytest.mark.parametrize(("rate_in", "rate_out"), STANDARD_PAIRS)
+def test_strided_phases_match_gathered_windows(rate_in: int, rate_out: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    signal = _noise(rate_in // 4, seed=rate_out)
+    chunks = _random_chunks(signal, np.random.default_rng(rate_in + 3 * rate_out))
+    assert ResamplerSpec.for_rates(rate_in, rate_out).up <= resample_module.MAX_STRIDED_UP
+    strided = _stream(StreamResampler(rate_in, rate_out), chunks)
+    monkeypatch.setattr(resample_module, "MAX_STRIDED_UP", 0)
+    assert _stream(StreamResampler(rate_in, rate_out), chunks).tobytes() == strided.tobytes()
