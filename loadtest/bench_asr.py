@@ -43,7 +43,12 @@ from table import cpu_description, format_table  # noqa: E402
 from turntaking_set import Item, make_items  # noqa: E402
 
 from voice_server.audio import float32_to_pcm16  # noqa: E402
-from voice_server.runners.asr_decoders import NARROWBAND_CMN, DecoderOptions, build_decoder  # noqa: E402
+from voice_server.runners.asr_decoders import (  # noqa: E402
+    NARROWBAND_CMN,
+    DecoderOptions,
+    SphinxRecognizer,
+    build_decoder,
+)
 
 GENERIC_CMN = "40,3,-1,0,0,0,0,0,0,0,0,0,0"
 """PocketSphinx's own starting cepstral mean (`cmninit`), where the asr stage started every utterance before."""
@@ -70,11 +75,10 @@ CHUNK = 320  # NOTE: 20 ms at 16 kHz, as a session streams a turn
 
 
 def decode(decoder: Any, options: DecoderOptions, item: Item) -> tuple[str, float, float]:
-    """(transcript, CPU seconds feeding the audio, CPU seconds in `end_utt`), every item from the same
-    starting cepstral mean, as the asr stage lends a decoder (`SphinxRecognizer.start`)."""
+    """(transcript, CPU seconds feeding the audio, CPU seconds in `end_utt`), every item started as the asr
+    stage starts a turn (`SphinxRecognizer.start`: the feature module rebuilt, the same starting cepstral mean)."""
     pcm = float32_to_pcm16(item.audio)
-    decoder.set_cmn(options.initial_cmn)
-    decoder.start_utt()
+    SphinxRecognizer(decoder, options).start()
     start = time.process_time()
     for i in range(0, pcm.size, CHUNK):
         decoder.process_raw(pcm[i:i + CHUNK].tobytes(), False, False)

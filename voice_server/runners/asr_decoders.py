@@ -155,9 +155,13 @@ class SphinxRecognizer:
         """The last finished utterance's words and posteriors, once asked for (`_final_words`)."""
 
     def start(self, is_narrowband: bool = False) -> None:
-        # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next;
-        # starting every utterance from the same estimate keeps transcripts independent of history.
+        # NOTE: live cepstral mean normalisation carries its estimate from one utterance to the next, and
+        # `set_cmn` sets the mean but not what the estimate had summed: what a decoder heard last (another
+        # session's turn, or the pool's warm-up) moved the next turn's words, for 13 of the turn-taking set's 36
+        # questions as a decoder's first turn. The feature module rebuilt (~0.1 ms) and the same starting mean
+        # make every utterance's transcript its own audio's alone.
         options = self.options
+        self.decoder.reinit_feat()
         self.decoder.set_cmn(options.narrowband_cmn if is_narrowband else options.initial_cmn)
         self.decoder.start_utt()
         self._words = None
