@@ -422,25 +422,6 @@ def test_int16_chunks_as_a_session_streams_them_transcribe_as_float32_ones(runne
     assert transcripts[0] == transcripts[1] and word_error_rate(SENTENCES[2], transcripts[0]) <= MAX_WER
 
 
-def test_the_final_carries_the_partial_of_all_the_audio(runner: AsrRunner) -> None:
-    # Under load a batch holds a turn's last chunks and its DONE: the final supersedes their partial, so the
-    # last STREAM a session saw is older than the turn. The RESULT carries the partial of all of it.
-    pieces = chunks(speech(SENTENCES[0]), 20)
-    run(runner, [new_stream("a", [])])
-    partials = [e.payload["input_transcript_partial"] for seq, piece in enumerate(pieces)
-                for e in run(runner, [chunk("a", seq, piece)])]
-    [alone] = run(runner, [done("a", len(pieces))])
-    run(runner, [new_stream("b", [])])
-    num_early = len(pieces) // 2
-    early = [e.payload["input_transcript_partial"] for e in run(runner, [chunk("b", i, p) for i, p in
-                                                                          enumerate(pieces[:num_early])])]
-    [batched] = run(runner, [*(chunk("b", i, p) for i, p in enumerate(pieces) if i >= num_early),
-                             done("b", len(pieces))])
-    assert alone.payload["input_transcript_partial"] == partials[-1]
-    assert batched.payload["input_transcript_partial"] == partials[-1] != early[-1]
-    assert batched.payload["input_transcript"] == alone.payload["input_transcript"]
-
-
 def test_a_turn_is_heard_the_same_whatever_the_decoder_heard_before() -> None:
     # Decoders are lent from one pool to every session. PocketSphinx's live cepstral mean kept what it had summed
     # from one utterance to the next (`set_cmn` sets only the mean), so what a decoder heard last moved the next

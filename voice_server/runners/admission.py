@@ -31,8 +31,7 @@ MAX_MESSAGES = 256
 """Messages a prompt keeps at most (the newest; a leading system message stays)."""
 MAX_PAYLOAD_MESSAGES = 4096
 """Messages a payload may bring at all (a guard on the work of checking it)."""
-_TRANSCRIPT_KEYS = ("input_transcript", "input_transcript_partial", "input_transcript_confident",
-                    "input_transcript_alternatives")
+_TRANSCRIPT_KEYS = ("input_transcript", "input_transcript_confident", "input_transcript_alternatives")
 """What a transcribing stage before this one (asr) adds to its `messages` result for the client; the
 messages already end with that text, so it is ignored here."""
 _MAX_CHARS_PER_TOKEN = 32

@@ -16,12 +16,9 @@ A streamed turn (`submit(..., stream_input=True)`, the user's audio while they s
   gives no partials;
 - DONE (the user's turn ended): RESULT `{"input_transcript": text, "messages": history + [{"role":
   "user", "content": text}]}` (`text` may be empty: nothing was recognised), and with PocketSphinx
-  `"input_transcript_partial"`: the partial hypothesis of all the turn's audio, just before the final (the
-  last STREAM may be older: under load a batch holds the turn's last chunks and its DONE, and the final
-  supersedes their partial), `"input_transcript_confident"`: the words of `text` it is sure of (the session
-  confirms an interruption only on those), and where the last word is unsure `"input_transcript_alternatives"`:
-  its other hypotheses, most likely first (the session's end-of-turn rule reads the partial's and their last
-  words too).
+  `"input_transcript_confident"`: the words of `text` it is sure of (the session confirms an interruption
+  only on those), and where the last word is unsure `"input_transcript_alternatives"`: its other
+  hypotheses, most likely first (the session's end-of-turn rule reads their last words too).
 
 Either kind may say in `params["source_rate"]` (an integer, Hz) what rate the user's audio was captured at before
 it was resampled to 16 kHz: at 8 kHz or less (a phone call) PocketSphinx hears it with a decoder adapted to phone
@@ -234,14 +231,9 @@ class AsrRunner(Runner[SimpleBatch, SimpleResult]):
         if item.kind is WorkKind.CHUNK:
             request.lent.feed(item.payload["pcm"])
             return None
-        # NOTE: the hypothesis of all the turn's audio before the utterance ends (and the language model ends
-        # the sentence): the last STREAM may be older, as a batch's final supersedes its partial.
-        partial = request.lent.partial()
         text = self._end_utterance(request)
         messages = [*request.messages, {"role": "user", "content": text}]
         payload: dict[str, Any] = {"input_transcript": text, "messages": messages}
-        if partial is not None:
-            payload["input_transcript_partial"] = partial
         confident, alternatives = request.lent.confident_text(), request.lent.alternatives()
         if confident is not None:
             payload["input_transcript_confident"] = confident

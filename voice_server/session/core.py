@@ -168,11 +168,10 @@ class Session(StreamedTurns):
         """A pause's end-of-turn score (`PauseScorer`), from its task (a stale token is ignored)."""
         turn = self._turn
         if turn is not None and turn.is_speculating:
-            # NOTE: the words rules weigh the pause's final transcript, the partial of all the audio that comes
-            # with it, and the thinker's reading of it. Under load the recogniser runs behind the audio, and its
-            # last streamed partial ends wherever it got to ("how many legs does a"), which would hold a
-            # finished turn. Waiting costs no latency: the held reply cannot be heard before its transcript and
-            # its first token anyway.
+            # NOTE: the words rules weigh the pause's final transcript and the thinker's reading of it. Under
+            # load the recogniser runs behind the audio, and its last partial ends wherever it got to ("how
+            # many legs does a"), which would hold a finished turn to the maximum silence. Waiting costs no
+            # latency: the held reply cannot be heard before its transcript and its first token anyway.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._words_of(turn.run), TRANSCRIPT_WAIT_S)
         async with self._turn_lock:

@@ -175,9 +175,6 @@ class ResponseRun:
             return
         confident = payload.get("input_transcript_confident", final)
         alternatives = payload.get("input_transcript_alternatives")
-        partial = payload.get("input_transcript_partial")
-        if isinstance(partial, str):
-            self.last_partial = partial  # NOTE: of all the audio up to the pause (a streamed one may be older)
         self.held_transcript = final
         self.held_confident = confident if isinstance(confident, str) else ""
         self.held_alternatives = [a for a in alternatives if isinstance(a, str)] if isinstance(
