@@ -203,7 +203,7 @@ class StreamResampler:
         history = np.concatenate((self._history, chunk)) if len(chunk) else self._history
         self._num_in += len(chunk)
         out = np.empty(num_out_total - self._num_out, dtype=np.float32)
-        block_len = max(spec.up, _MAX_BLOCK_PRODUCTS // taps // spec.up * spec.up)
+        block_len = max(1, _MAX_BLOCK_PRODUCTS // taps)
         for block_start in range(0, len(out), block_len):
             block_end = min(block_start + block_len, len(out))
             if spec.up <= MAX_STRIDED_UP:

@@ -172,11 +172,12 @@ class ConnectionMetrics:
         """Count the barge-ins and speculative responses `session` (a `Session`) made since the last call."""
         # NOTE: called for every input frame: the labelled counters are looked up only when a count moved.
         metrics, counted = self.metrics, self._counted
-        for key, total in (("barge_ins", int(session.num_barge_ins)), ("speculations", int(session.num_speculations)),
-                           ("discarded", int(session.num_discarded_speculations))):
+        for key, total, label in (("barge_ins", session.num_barge_ins, None),
+                                  ("speculations", session.num_speculations, "started"),
+                                  ("discarded", session.num_discarded_speculations, "discarded")):
+            total = int(total)
             if total > counted[key]:
-                counter = (metrics.barge_ins if key == "barge_ins"
-                           else metrics.speculations.labels("started" if key == "speculations" else "discarded"))
+                counter = metrics.barge_ins if label is None else metrics.speculations.labels(label)
                 counter.inc(total - counted[key])
             counted[key] = total
 
