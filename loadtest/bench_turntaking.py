@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_sessions import pct, start_server  # noqa: E402
 from table import cpu_description, format_table  # noqa: E402
 from turntaking_clients import CLIENTS, Client  # noqa: E402
-from turntaking_set import Heard, Item, Track, Utterance, make_set  # noqa: E402
+from turntaking_set import LEVEL_FRAME_S, Heard, Item, Track, Utterance, make_set  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOW_S = 2.0
@@ -130,6 +130,30 @@ def interruption_verdict(track: Track, utterance: Utterance, window_s: float = W
     # server paused it there (and never resumed it); otherwise it ran out by itself.
     is_left_paused = any(key == k and t <= at <= until and resumed is None for at, resumed, k in track.pauses)
     return "stopped" if is_left_paused else "ended"
+
+
+def reply_gap_ms(track: Track, utterance: Utterance, window_s: float = WINDOW_S) -> float | None:
+    """The longest silence in the reply (as heard) that began within `window_s` of the event's onset and after
+    which the reply went on: how long a reply held over the event kept the listener waiting (a phone line has
+    no pause message: its reply is held in the server, and the call hears the same gap). None: no such gap."""
+    heard, t = track.heard, utterance.speech_start_at
+    key = key_at(heard, t)
+    if key is None:
+        return None
+    mask = heard.is_audible & (heard.keys == key)
+    starts, ends = heard.starts[mask], heard.ends[mask]
+    later = np.flatnonzero(starts >= t)
+    if not later.size:
+        return None
+    first = int(later[0])
+    prev_end = max(float(ends[first - 1]) if first else t, t)
+    longest = 0.0
+    for i in range(first, len(starts)):
+        if prev_end > t + window_s:
+            break
+        longest = max(longest, float(starts[i]) - prev_end)
+        prev_end = max(prev_end, float(ends[i]))
+    return 1000 * longest if longest >= LEVEL_FRAME_S else None  # NOTE: adjacent frames meet within rounding
 
 
 def barge_in_stop_ms(track: Track, utterance: Utterance) -> float | None:
@@ -284,9 +308,14 @@ def hesitation_row(endpoint: str, tracks: list[Track]) -> dict[str, Any]:
 
 
 def interruption_row(endpoint: str, kind: str, tracks: list[Track]) -> dict[str, Any]:
-    counts = Counter(interruption_verdict(t, u) for t, u in _of(tracks, "event"))
+    events = _of(tracks, "event")
+    verdicts = [interruption_verdict(t, u) for t, u in events]
+    counts = Counter(verdicts)
+    gaps = [g for (t, u), v in zip(events, verdicts, strict=True)
+            if v in ("paused", "kept") and (g := reply_gap_ms(t, u))]
     return {"endpoint": endpoint, "kind": kind, "num_items": sum(counts.values()), "num_reply_ended": counts["ended"],
-            "num_stopped": counts["stopped"], "num_paused": counts["paused"], "num_kept": counts["kept"]}
+            "num_stopped": counts["stopped"], "num_paused": counts["paused"], "num_kept": counts["kept"],
+            "pause_p50_ms": pct(gaps, 0.5) if gaps else None, "pause_max_ms": max(gaps) if gaps else None}
 
 
 def barge_in_row(endpoint: str, tracks: list[Track]) -> dict[str, Any]:
@@ -312,8 +341,10 @@ def details(tracks: list[Track]) -> list[str]:
                 span = "no reply" if onset is None or end is None else (
                     f"reply heard {onset - u.speech_start_at:+.2f}..{end - u.speech_start_at:+.2f} s")
                 stop = barge_in_stop_ms(track, u)
+                verdict = interruption_verdict(track, u)
+                gap = reply_gap_ms(track, u) if verdict in ("paused", "kept") else None
                 result = (f"stop {stop:.0f} ms" if stop is not None else "-") if u.item.category == "barge_in" else (
-                    interruption_verdict(track, u))
+                    verdict + ("" if gap is None else f" {gap:.0f} ms"))
                 result += f", {span}"
             else:
                 value = latency_ms(track, u)

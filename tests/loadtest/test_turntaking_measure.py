@@ -20,6 +20,7 @@ from bench_turntaking import (  # noqa: E402
     is_premature,
     latency_ms,
     onset_after,
+    reply_gap_ms,
 )
 from turntaking_set import (  # noqa: E402
     FRAME_S,
@@ -160,6 +161,8 @@ def test_a_reply_paused_and_resumed_went_on() -> None:
     playout.pause(11.5, "r1")
     playout.resume(12.4)
     assert interruption_verdict(track_of(playout, burst), burst) == "paused"
+    assert reply_gap_ms(track_of(playout, burst), burst) == pytest.approx(900, abs=10)  # NOTE: what the listener waited
+    assert reply_gap_ms(track_of(reply(), burst), burst) is None
     left = reply()
     left.pause(11.5, "r1")  # NOTE: never resumed and nothing more heard: the reply stopped there
     assert interruption_verdict(track_of(left, burst), burst) == "stopped"
