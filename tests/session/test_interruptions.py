@@ -38,6 +38,19 @@ def test_the_verdict(speech_ms: int, words: str, silence_ms: int, after_s: float
                  now=PENDING.started_at + after_s) is verdict
 
 
+def test_words_heard_unsure_keep_a_pause_from_dismissing_until_max_wait() -> None:
+    """A call's "Wait," heard as "sleep" (posterior 0.04): not a word the recogniser is sure of, but not a
+    backchannel either. Dismissed at its comma, the reply played on until "stop" paused it again."""
+    at = PENDING.started_at
+    assert judge(PENDING, RULES, speech_ms=300, words="", silence_ms=300, now=at + 0.5, heard="sleep") is None
+    assert judge(PENDING, RULES, speech_ms=300, words="", silence_ms=300, now=at + 1.0,
+                 heard="sleep") is Verdict.DISMISSED
+    # NOTE: unsure backchannel words, or nothing heard at all, dismiss at the pause as before
+    for heard in ("yeah", ""):
+        assert judge(PENDING, RULES, speech_ms=300, words="", silence_ms=300, now=at + 0.5,
+                     heard=heard) is Verdict.DISMISSED
+
+
 def test_a_silence_waits_for_the_words_on_their_way_but_not_past_max_wait() -> None:
     """A pause's final transcript is what confirms by words: a silence does not dismiss before it is in."""
     at = PENDING.started_at

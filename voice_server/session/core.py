@@ -138,12 +138,14 @@ class Session(StreamedTurns):
         """Confirm or dismiss the speech over a paused reply (`interruptions.py`)."""
         pending, detector, turn = self.interruption, self.detector, self._turn
         assert pending is not None and isinstance(detector, SemanticTurnDetector)
-        # NOTE: only the pause's final transcript, and only the words the recogniser is sure of: partial
-        # hypotheses carry no confidence, and PocketSphinx hears "uh huh" as "at hand" or "fat half".
-        words = turn.run.held_confident if turn is not None else ""
+        # NOTE: only the pause's final transcript, and only the words the recogniser is sure of confirm: partial
+        # hypotheses carry no confidence, and PocketSphinx hears "uh huh" as "at hand" or "fat half". The
+        # words it is unsure of only keep a pause from dismissing early.
+        words, heard = (turn.run.held_confident, turn.run.held_transcript or "") if turn is not None else ("", "")
         is_words_pending = turn is not None and turn.is_awaiting_transcript
         verdict = judge(pending, self.interruption_rules, speech_ms=detector.speech_ms, words=words,
-                        silence_ms=detector.silence_ms, now=time.monotonic(), is_words_pending=is_words_pending)
+                        silence_ms=detector.silence_ms, now=time.monotonic(), is_words_pending=is_words_pending,
+                        heard=heard)
         if verdict is Verdict.CONFIRMED:
             await self._confirm()
             if detector.machine.phase is Phase.PAUSED:

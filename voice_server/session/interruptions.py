@@ -11,7 +11,9 @@ never stops feels deaf. So speech over a reply pauses it at once and is then jud
   speech (VAD windows);
 - dismissed, the reply resumes: the speaker fell silent first, for `dismiss_silence_ms` (a backchannel is
   short; "Sorry, can you..." pauses at its comma and goes on), the pause's words are in and none of them
-  is a content word, or nothing was confirmed within `max_wait_ms` of the onset and the speaker then
+  is a content word, sure or not (a word it is unsure of is no evidence of a backchannel: a call's "Wait,"
+  heard as "sleep" at 0.04 was dismissed at its comma, and the reply played on until "stop" paused it again,
+  680 ms after the first word), or nothing was confirmed within `max_wait_ms` of the onset and the speaker then
   pauses for `dismiss_silence_ms` (or nothing within twice that: noise hovering at the VAD's threshold
   holds no reply longer). Not at `max_wait_ms` itself: "Wait, stop, I have..." heard as "we got" (one
   content word) was dismissed in its second comma's pause, 1 s in, and paused again 60 ms later; speech
@@ -84,10 +86,10 @@ def num_content_words(transcript: str) -> int:
 
 
 def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, words: str, silence_ms: int,
-          now: float, is_words_pending: bool = False) -> Verdict | None:
-    """The verdict on `pending` so far (`silence_ms`: how long the speaker has been silent, 0 while they
-    speak; `is_words_pending`: the recogniser is still transcribing up to the pause), or None while it
-    is still open."""
+          now: float, is_words_pending: bool = False, heard: str = "") -> Verdict | None:
+    """The verdict on `pending` so far (`words`: what the recogniser is sure of; `heard`: all it heard, the
+    words it is unsure of too; `silence_ms`: how long the speaker has been silent, 0 while they speak;
+    `is_words_pending`: the recogniser is still transcribing up to the pause), or None while it is still open."""
     said = _words(words)
     num_content = sum(1 for word in said if word not in BACKCHANNELS)
     if num_content >= rules.min_words or not STOP_WORDS.isdisjoint(said) or speech_ms >= rules.min_speech_ms:
@@ -96,6 +98,6 @@ def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, wo
     is_pause = silence_ms >= rules.dismiss_silence_ms
     if waited_ms >= 2 * rules.max_wait_ms or (waited_ms >= rules.max_wait_ms and is_pause):
         return Verdict.DISMISSED
-    if is_pause and not is_words_pending and num_content == 0:
+    if is_pause and not is_words_pending and num_content == 0 and num_content_words(heard) == 0:
         return Verdict.DISMISSED
     return None
