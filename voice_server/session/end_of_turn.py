@@ -8,7 +8,7 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
     SPEAKING --(num_pause_windows non-speech in a row)--> PAUSED             emits SilenceStarted(token)
     PAUSED --(num_resume_windows speech in a row)--> SPEAKING                emits SpeechResumed
     PAUSED --(score >= min_complete and silence >= min_silence_ms)--> IDLE   emits SpeechStopped
-    PAUSED --(score >= sure_complete)--> IDLE                                emits SpeechStopped
+    PAUSED --(score >= sure_complete and silence >= sure_silence_ms)--> IDLE emits SpeechStopped
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
 
 where the words end where a sentence cannot (`is_unfinished`: `hypotheses_suggest_more` on the recogniser's
@@ -276,8 +276,12 @@ class EndOfTurn:
             # A listener waits a beat longer, not the whole maximum silence, for the speaker to go on.
             is_done = score >= rules.min_complete and silence_ms >= rules.unfinished_silence_ms
         else:
-            is_done = score >= rules.sure_complete or (
+            is_done = (score >= rules.sure_complete and silence_ms >= rules.sure_silence_ms) or (
                 score >= rules.min_complete and silence_ms >= rules.min_silence_ms)
+        if self._num_run:
+            # NOTE: a speech window in the pause: the next one says whether the speaker went on (a resumption
+            # takes two), and a commit now would be heard over them.
+            is_done = False
         if is_done or silence_ms >= rules.max_silence_ms:
             event = SpeechStopped(self.now_ms, self.speech_end_ms)
             self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0

@@ -52,8 +52,8 @@ TYPES = ("server_vad", "semantic_vad")
 @dataclass(frozen=True)
 class Eagerness:
     """How `semantic_vad` decides, per OpenAI `eagerness`: commit once the end-of-turn model's
-    probability is at least `min_complete` and the speaker has been silent `min_silence_ms`, or at once
-    (at the pause) where it is at least `sure_complete`; where the turn's words end where a sentence
+    probability is at least `min_complete` and the speaker has been silent `min_silence_ms`, or after
+    `sure_silence_ms` where it is at least `sure_complete`; where the turn's words end where a sentence
     cannot ("I'd like a"), only after `unfinished_silence_ms`; commit whatever the model says after
     `max_silence_ms` of silence."""
 
@@ -61,6 +61,7 @@ class Eagerness:
     min_silence_ms: int
     max_silence_ms: int
     sure_complete: float
+    sure_silence_ms: int
     unfinished_silence_ms: int
 
 
@@ -71,16 +72,19 @@ class Eagerness:
 # in "i need to buy some milk and" (0.64-0.77), before the speaker went on; finished questions scored 0.969-0.990
 # on the turn-taking set's voices over /ws, so the wait cost them nothing there (3 of 41 through a call's 8 kHz
 # audio scored under 0.9; loadtest/bench_turntaking.py, BENCHMARKS.md).
-# A score of `sure_complete` or more commits at the pause (it is already scored, and more silence is dead air).
+# A score of `sure_complete` or more commits once the silence is `sure_silence_ms` (six windows at medium): a
+# voice leaves 100-260 ms gaps inside a sentence (the set's "i need to buy some | milk and", which Smart Turn
+# scores sure), and the reply prepared during the pause is ready ~250 ms after the speech's end anyway, so
+# a commit before that only lets it be heard over a speaker who goes on. `high` commits at the pause.
 # `unfinished_silence_ms`: a hesitation's pause in conversation is mostly under a second (the turn-taking
 # set's are 400-900 ms), so medium waits 1.2 s; a longer one is taken as the end of the turn.
 EAGERNESS = {
     "low": Eagerness(min_complete=0.8, min_silence_ms=1300, max_silence_ms=3000, sure_complete=0.97,
-                     unfinished_silence_ms=1600),
+                     sure_silence_ms=288, unfinished_silence_ms=1600),
     "medium": Eagerness(min_complete=0.5, min_silence_ms=1000, max_silence_ms=2000, sure_complete=0.9,
-                        unfinished_silence_ms=1200),
+                        sure_silence_ms=192, unfinished_silence_ms=1200),
     "high": Eagerness(min_complete=0.3, min_silence_ms=120, max_silence_ms=1200, sure_complete=0.7,
-                      unfinished_silence_ms=900),
+                      sure_silence_ms=96, unfinished_silence_ms=900),
 }
 EAGERNESS["auto"] = EAGERNESS["medium"]
 
