@@ -112,18 +112,9 @@ def interruption_verdict(track: Track, utterance: Utterance, window_s: float = W
     if status == "cancelled" and t <= at <= until:
         return "stopped"
     is_paused = any(key == paused_key and t <= at <= until for at, _, paused_key in track.pauses)
-    mask = heard.is_audible & (heard.keys == key)
-    starts, ends = heard.starts[mask], heard.ends[mask]
-    later = np.flatnonzero(starts >= t)
-    first = int(later[0]) if later.size else len(starts)
-    prev_end = float(ends[first - 1]) if first else t
-    for i in range(first, len(starts)):
-        gap_start = max(prev_end, t)
-        if gap_start > until:
-            break
-        if starts[i] - gap_start >= gap_s:
-            return "paused" if is_paused else "kept"  # NOTE: a gap, then the reply went on
-        prev_end = max(prev_end, float(ends[i]))
+    gap_ms = reply_gap_ms(track, utterance, window_s)
+    if gap_ms is not None and gap_ms >= 1000 * gap_s:
+        return "paused" if is_paused else "kept"  # NOTE: a gap, then the reply went on
     if end > until:
         return "paused" if is_paused else "kept"
     # NOTE: the reply's audible audio ended inside the window and never came back: stopped only if the

@@ -91,7 +91,7 @@ def judge(pending: Interruption, rules: InterruptionRules, *, speech_ms: int, wo
     words it is unsure of too; `silence_ms`: how long the speaker has been silent, 0 while they speak;
     `is_words_pending`: the recogniser is still transcribing up to the pause), or None while it is still open."""
     said = _words(words)
-    num_content = sum(1 for word in said if word not in BACKCHANNELS)
+    num_content = num_content_words(words)
     if num_content >= rules.min_words or not STOP_WORDS.isdisjoint(said) or speech_ms >= rules.min_speech_ms:
         return Verdict.CONFIRMED
     waited_ms = (now - pending.started_at) * 1000.0
