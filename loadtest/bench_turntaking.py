@@ -6,7 +6,8 @@ speaks the test set (`turntaking_set.py`, made at run time) at real-time pace ov
 and plays what comes back as a client would (arrival, queue, flush, pause): every sample sent has the
 moment it was spoken, every sample received the moment it was heard. Scenarios:
 - `complete`: questions; latency = the first audible heard 10 ms frame (-40 dBFS) - the end of the user's
-  speech (its last frame at -40 dBFS or more, before noise); at each `--sessions` level (staggered);
+  speech (its last frame at -40 dBFS or more, before noise); at each `--sessions` level (staggered, each
+  session asking every question, from its own on);
 - `hesitation`: sentences with a 400-900 ms pause where the speaker is not done; premature = audible
   reply audio that starts before the sentence ends;
 - `backchannel`, `cough`, `burst`: said 1.0-1.5 s after a long reply became audible; stopped = within
@@ -22,7 +23,7 @@ at 1 session, p90 <= 700 ms at 8; no stopped reply in >= 20 each of backchannels
 
 Usage: OMP_NUM_THREADS=1 python loadtest/bench_turntaking.py [--quick] [--endpoints ws,realtime,twilio]
        [--scenarios complete,hesitation,backchannel,cough,burst,barge_in] [--sessions 1,8] [--seed 0]
-       [--details (a line per item)]
+       [--asks N (questions a session asks in `complete`; all 12 by default)] [--details (a line per item)]
 """
 
 from __future__ import annotations
@@ -233,14 +234,22 @@ def _batches(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-def run_complete(endpoint: str, port: int, items: list[Item], num_sessions: int, seed: int) -> list[Track]:
-    """`num_sessions` at once, started 0.3 s apart, each asking its share of the questions in turn."""
-    per_session = max(2, -(-len(items) // num_sessions)) if num_sessions > 1 else len(items)
+def session_questions(items: list[Item], index: int, num_asks: int | None = None) -> list[Item]:
+    """What session `index` of `complete` asks: `num_asks` questions (all of them by default) in the set's order,
+    from its own on, so that with every session asking all of them each question is asked equally often."""
+    # NOTE: two a session (16 answers at 8, the runs before 2026-12-05) asked 7 of 9 questions twice, so a
+    # question held by its words was two of the three answers a p90 reads: all of them, each 8 times, is
+    # a p90 of the set, not of its one hardest question.
+    return [items[(index + k) % len(items)] for k in range(len(items) if num_asks is None else num_asks)]
+
+
+def run_complete(endpoint: str, port: int, items: list[Item], num_sessions: int, seed: int,
+                 num_asks: int | None = None) -> list[Track]:
+    """`num_sessions` at once, started 0.3 s apart, each asking its `session_questions` in turn."""
     tracks: list[Track] = []
 
     def session(i: int) -> None:
-        mine = [items[(i + k) % len(items)] for k in range(per_session)]
-        for batch in _batches(mine, MAX_TURNS):
+        for batch in _batches(session_questions(items, i, num_asks), MAX_TURNS):
             tracks.append(run_session(endpoint, port, seed + i, asking(batch)))
 
     threads = [threading.Thread(target=session, args=(i,)) for i in range(num_sessions)]
@@ -261,10 +270,11 @@ def run_interruptions(endpoint: str, port: int, prompts: list[Item], events: lis
 
 
 def run_scenario(endpoint: str, scenario: str, port: int, test_set: dict[str, list[Item]], levels: list[int],
-                 seed: int) -> list[tuple[str, dict[str, Any], list[Track]]]:
+                 seed: int, num_asks: int | None = None) -> list[tuple[str, dict[str, Any], list[Track]]]:
     """(table, its row, the tracks) of one scenario on one endpoint."""
     if scenario == "complete":
-        runs = [(level, run_complete(endpoint, port, test_set["complete"], level, seed)) for level in levels]
+        runs = [(level, run_complete(endpoint, port, test_set["complete"], level, seed, num_asks))
+                for level in levels]
         return [("complete", complete_row(endpoint, level, tracks), tracks) for level, tracks in runs]
     if scenario == "hesitation":
         tracks = [run_session(endpoint, port, seed, asking(b)) for b in _batches(test_set["hesitation"], MAX_TURNS)]
@@ -392,11 +402,15 @@ def main() -> None:
     parser.add_argument("--sessions", default="1,8", help="concurrency levels of `complete`")
     parser.add_argument("--quick", action="store_true", help="a few items per category (a smoke run)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--asks", type=int, default=None,
+                        help="questions each session of `complete` asks (default: all of the set's, in turn)")
     parser.add_argument("--details", action="store_true", help="a line per item")
     args = parser.parse_args()
     endpoints, scenarios = args.endpoints.split(","), args.scenarios.split(",")
     if unknown := [s for s in scenarios if s not in SCENARIOS] + [e for e in endpoints if e not in CLIENTS]:
         parser.error(f"unknown: {', '.join(unknown)}")
+    if args.asks is not None and args.asks < 1:
+        parser.error(f"--asks must be at least 1, got {args.asks}")
     print(cpu_description())
     needed = tuple(dict.fromkeys([*scenarios, "prompt"] if set(scenarios) - {"complete", "hesitation"} else scenarios))
     test_set = make_set(needed, args.seed, args.quick)
@@ -413,7 +427,8 @@ def main() -> None:
         run_session(endpoints[0], port, args.seed, asking(warm_up[:1]))  # NOTE: first-call paths, caches
         for endpoint in endpoints:
             for scenario in scenarios:
-                for group, row, tracks in run_scenario(endpoint, scenario, port, test_set, levels, args.seed):
+                runs = run_scenario(endpoint, scenario, port, test_set, levels, args.seed, args.asks)
+                for group, row, tracks in runs:
                     rows.setdefault(group, []).append(row)
                     problems.update(f"{endpoint}: {p}" for t in tracks for p in t.problems)
                     lines += details(tracks)

@@ -5,6 +5,7 @@ scenario's verdict."""
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ from bench_turntaking import (  # noqa: E402
     latency_ms,
     onset_after,
     reply_gap_ms,
+    session_questions,
 )
 from turntaking_set import (  # noqa: E402
     FRAME_S,
@@ -63,6 +65,17 @@ def reply(seconds: float = 6.0, arrival: float = 10.0, key: str = "r1") -> Playo
     playout = Playout(OUT)
     playout.add(tone(seconds), arrival, key)
     return playout
+
+
+def test_sessions_asking_every_question_ask_each_equally_often_from_their_own_on() -> None:
+    items = [Item("complete", f"q{i}", np.zeros(RATE, np.float32), (0, RATE)) for i in range(12)]
+    asked = [session_questions(items, i) for i in range(8)]
+    assert [q.name for q in asked[3][:3]] == ["q3", "q4", "q5"]
+    counts = Counter(q.name for questions in asked for q in questions)
+    assert set(counts.values()) == {8} and len(counts) == 12
+    # NOTE: the runs before asked two a session: q1..q7 twice, q0 and q8 once, q9..q11 never
+    two = Counter(q.name for i in range(8) for q in session_questions(items, i, 2))
+    assert two["q1"] == 2 and two["q0"] == 1 and "q9" not in two
 
 
 def test_chunks_queue_behind_what_plays_and_gaps_wait_for_arrival() -> None:
