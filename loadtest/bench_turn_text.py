@@ -11,7 +11,7 @@ lowercase, no punctuation. Categories:
 - question-prefix: the questions' words at every length of at least two words, short of the whole;
 - hesitation-whole: the hesitation sentences, whole.
 Reported: each category's lowest and highest score, and how many score under each threshold (a turn the
-session then holds where Smart Turn is not sure of it: `MIN_TEXT_COMPLETE`, `voice_server/session/end_of_turn.py`).
+session then holds where Smart Turn is not sure of it: `MIN_TEXT_COMPLETE`, `voice_server/session/pause_words.py`).
 
 Usage: OMP_NUM_THREADS=1 python loadtest/bench_turn_text.py [--details]
 """
@@ -34,7 +34,7 @@ from voice_server.config.loading import load_pipeline  # noqa: E402
 from voice_server.engine.runtime import StageContext  # noqa: E402
 from voice_server.runners import DecoderRunner  # noqa: E402
 from voice_server.scheduling import ARScheduler, EmitKind, WorkItem, WorkKind  # noqa: E402
-from voice_server.session.end_of_turn import MIN_TEXT_COMPLETE  # noqa: E402
+from voice_server.session.pause_words import MIN_TEXT_COMPLETE  # noqa: E402
 from voice_server.stages.llm import create_llm  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

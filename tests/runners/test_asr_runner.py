@@ -391,7 +391,7 @@ def test_the_words_rule_flags_hesitations_on_the_final_and_its_alternatives_not_
     """Where the final's last word is unsure, `input_transcript_alternatives` carries the n-best: the words
     before a hesitation's pause ("book a,") come out as "book it" in the final, "book a" among the
     alternatives, so the session's end-of-turn rule sees them; no complete sentence is flagged so."""
-    from voice_server.session.end_of_turn import hypotheses_suggest_more
+    from voice_server.session.pause_words import hypotheses_suggest_more
 
     halves = ("I would like to book a,", "Can you tell me the,", "I am looking for a,", "Could you help me find a,",
               "I need to buy some milk and,", "Please remind me to call my,", "I want to know the name of,")

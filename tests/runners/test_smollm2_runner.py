@@ -17,7 +17,7 @@ from voice_server.runners import DecoderRunner, DecoderRunnerConfig
 from voice_server.runners.admission import MAX_MESSAGES, MAX_PAYLOAD_MESSAGES, admit
 from voice_server.scheduling import AdmissionError, ARScheduler, EmitKind, WorkItem, WorkKind
 from voice_server.scheduling.contract import SamplingParams
-from voice_server.session.end_of_turn import MIN_TEXT_COMPLETE
+from voice_server.session.pause_words import MIN_TEXT_COMPLETE
 
 torch.set_num_threads(1)
 

@@ -15,6 +15,8 @@ from voice_server.session.end_of_turn import (
     Phase,
     SilenceStarted,
     SpeechResumed,
+)
+from voice_server.session.pause_words import (
     hypotheses_suggest_more,
     read_pause_words,
     text_suggests_more,

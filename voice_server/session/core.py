@@ -27,12 +27,7 @@ from voice_server.session.config import SessionConfig
 from voice_server.session.connection import Engine
 from voice_server.session.conversation import SPEECH_RATE, Item, new_id, speech_item
 from voice_server.session.detectors import PauseScorer, make_detector
-from voice_server.session.end_of_turn import (
-    OnsetHeard,
-    OnsetLost,
-    Phase,
-    read_pause_words,
-)
+from voice_server.session.end_of_turn import OnsetHeard, OnsetLost, Phase
 from voice_server.session.events import (
     InputCommitted,
     ItemTruncated,
@@ -43,6 +38,7 @@ from voice_server.session.events import (
 )
 from voice_server.session.input_buffer import InputBuffer
 from voice_server.session.interruptions import InterruptionRules, Verdict, judge
+from voice_server.session.pause_words import read_pause_words
 from voice_server.session.response import Emit, ResponseRun
 from voice_server.session.semantic_vad import SemanticTurnDetector, SilenceStarted, SpeechResumed
 from voice_server.session.streamed_turns import StreamedTurns
