@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 
 from voice_server.session.end_of_turn import (
+    CUT_OFF_MS,
+    HESITATION_MS,
+    PATIENCE_DECAY,
+    PATIENCE_FACTOR,
     WINDOW_MS,
     EndOfTurn,
     OnsetHeard,
@@ -145,6 +149,109 @@ def test_a_speech_window_in_the_pause_defers_the_commit_to_the_next() -> None:
     pause = speak(resumed)
     assert resumed.on_score(pause.token, 0.99) == []
     assert [type(e) for _, e in run(resumed, [0.0] * num_silent + [0.9, 0.9])] == [SpeechResumed]
+
+
+def answered_then_going_on(machine: EndOfTurn, pause_ms: int) -> int:
+    """A turn scored sure at its pause and ended by the machine, then the speaker going on `pause_ms` after
+    the end of its speech (a new turn opens); returns the pause as the machine measured it."""
+    pause = speak(machine)
+    events = machine.on_score(pause.token, 0.99)
+    silent = [0.0] * (windows(pause_ms) - 3)  # NOTE: the pause's three windows are behind
+    events += [e for _, e in run(machine, silent + [0.9] * machine.num_start_windows)]
+    assert [type(e) for e in events] == [SpeechStopped, SpeechStarted]
+    assert isinstance(events[0], SpeechStopped) and events[0].speech_end_ms == pause.speech_end_ms
+    onset_ms = (machine.num_windows - machine.num_start_windows) * WINDOW_MS
+    return onset_ms - pause.speech_end_ms
+
+
+def test_a_speaker_answered_in_a_pause_who_goes_on_gets_a_longer_wait_for_sure_scores() -> None:
+    """Answered 192 ms into a 608 ms hesitation, the speaker went on: from then on a sure score waits 1.5x
+    that pause, since one person's pauses vary; a middling score's wait (1 s at medium) is the most."""
+    rules = EAGERNESS["medium"]
+    machine = EndOfTurn(SEMANTIC)
+    assert machine.patience_ms == 0
+    pause_ms = answered_then_going_on(machine, 608)
+    assert pause_ms == 608 and machine.patience_ms == int(PATIENCE_FACTOR * 608) == 912
+    # NOTE: the rest of the sentence (the turn just opened), then its end, scored sure: it waits the learned 912 ms.
+    events = run(machine, [0.9] * 10 + [0.05] * 3)
+    (_, pause), = events
+    assert isinstance(pause, SilenceStarted)
+    assert sure_commit_ms(machine, pause) == windows(912) * WINDOW_MS
+    # NOTE: a pause longer than CUT_OFF_MS after a turn it ended is the speaker's turn-taking, not a cut-off
+    machine = EndOfTurn(SEMANTIC)
+    answered_then_going_on(machine, CUT_OFF_MS + WINDOW_MS)
+    assert machine.patience_ms == 0
+    # NOTE: the wait never goes past a middling score's
+    machine = EndOfTurn(SEMANTIC)
+    answered_then_going_on(machine, 960)
+    assert machine.patience_ms == rules.min_silence_ms
+
+
+def test_a_hesitation_waited_out_teaches_the_same_wait_and_a_gap_inside_a_sentence_does_not() -> None:
+    """The words held a pause the speaker went on from after 608 ms: the next sure-scored pause of theirs may be
+    one the words miss ("a" heard as "it"), so it waits too. A voice's gaps inside a sentence (<= ~260 ms) do not
+    count."""
+    machine = EndOfTurn(SEMANTIC)
+    pause = speak(machine)
+    assert machine.on_score(pause.token, 0.99, is_unfinished=True) == []
+    events = run(machine, [0.0] * (windows(608) - 3) + [0.9, 0.9])
+    assert [type(e) for _, e in events] == [SpeechResumed] and machine.patience_ms == 912
+    for gap_ms, patience_ms in [(256, 0), (HESITATION_MS, int(PATIENCE_FACTOR * HESITATION_MS))]:
+        machine = EndOfTurn(SEMANTIC)
+        pause = speak(machine)
+        run(machine, [0.0] * (windows(gap_ms) - 3) + [0.9, 0.9])
+        assert machine.phase is Phase.SPEAKING and machine.patience_ms == patience_ms
+
+
+def fluent_turn(machine: EndOfTurn) -> None:
+    """The open turn goes on, pauses (scored sure) and ends; the speaker was done: silent for 2 s."""
+    (_, pause), = run(machine, [0.9] * 10 + [0.05] * 3)
+    assert isinstance(pause, SilenceStarted)
+    sure_commit_ms(machine, pause)
+
+
+def test_the_learned_wait_fades_with_each_turn_said_without_a_hesitation() -> None:
+    machine = EndOfTurn(SEMANTIC)
+    answered_then_going_on(machine, 608)
+    learned = machine.patience_ms
+    fluent_turn(machine)  # NOTE: the rest of the cut-off sentence: a turn with a hesitation in it
+    run(machine, [0.9] * machine.num_start_windows)
+    assert machine.patience_ms == learned == 912
+    for _ in range(3):
+        fluent_turn(machine)
+        assert machine.patience_ms == learned  # NOTE: known only once the next turn opens
+        run(machine, [0.9] * machine.num_start_windows)
+        learned = int(learned * PATIENCE_DECAY)
+        assert machine.patience_ms == learned
+    assert learned == 384
+    # NOTE: a turn with another hesitation keeps the wait whole (a shorter one does not lower it)
+    pause = run(machine, [0.9] * 10 + [0.05] * 3)[0][1]
+    assert isinstance(pause, SilenceStarted) and machine.on_score(pause.token, 0.5) == []
+    run(machine, [0.0] * (windows(HESITATION_MS) - 3) + [0.9, 0.9])
+    assert machine.patience_ms == max(384, int(PATIENCE_FACTOR * HESITATION_MS)) == 480
+    fluent_turn(machine)
+    run(machine, [0.9] * machine.num_start_windows)
+    assert machine.patience_ms == 480
+    # NOTE: a sure score waits whichever is longer, the eagerness's own or the learned (faded) wait
+    machine.patience_ms = 64
+    (_, pause), = run(machine, [0.9] * 10 + [0.05] * 3)
+    assert isinstance(pause, SilenceStarted)
+    assert sure_commit_ms(machine, pause) == windows(EAGERNESS["medium"].sure_silence_ms) * WINDOW_MS
+
+
+def test_speech_dropped_as_no_turn_teaches_nothing() -> None:
+    """Speech over a reply dismissed as a backchannel, or a cleared buffer (`reset`): its onset's lesson goes."""
+    machine = EndOfTurn(SEMANTIC)
+    answered_then_going_on(machine, 416)
+    assert machine.patience_ms == int(PATIENCE_FACTOR * 416)
+    machine.reset()
+    assert machine.patience_ms == 0
+    answered_then_going_on(machine, 416)
+    run(machine, [0.9] * 10 + [0.05] * 3)
+    machine.on_score(machine.token, 0.99)
+    run(machine, [0.0] * windows(1000))  # NOTE: that turn ended: its lesson stays through a later reset
+    machine.reset()
+    assert machine.patience_ms == int(PATIENCE_FACTOR * 416)
 
 
 def test_a_late_score_commits_at_once() -> None:

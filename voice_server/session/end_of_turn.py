@@ -8,9 +8,10 @@ Phases and their moves, one 32 ms window at a time (Silero VAD's window at 16 kH
     SPEAKING --(num_pause_windows non-speech in a row)--> PAUSED             emits SilenceStarted(token)
     PAUSED --(num_resume_windows speech in a row)--> SPEAKING                emits SpeechResumed
     PAUSED --(score >= min_complete and silence >= min_silence_ms)--> IDLE   emits SpeechStopped
-    PAUSED --(score >= sure_complete and silence >= sure_silence_ms)--> IDLE emits SpeechStopped
+    PAUSED --(score >= sure_complete and silence >= sure_silence_ms *)--> IDLE emits SpeechStopped
     PAUSED --(silence >= max_silence_ms)--> IDLE                             emits SpeechStopped
 
+(* or `patience_ms`, where longer: what this speaker's pauses taught, `_learn_patience`), and
 where the words end where a sentence cannot (`is_unfinished`: `pause_words.hypotheses_suggest_more` on the recogniser's
 hypotheses), a score of `min_complete` or more commits only after `unfinished_silence_ms` of silence, and a
 lower one after `max_silence_ms` as before. So where weaker evidence says the words may go on
@@ -58,6 +59,18 @@ PAUSE_MS = 96
 """Non-speech that makes a pause (three windows): shorter gaps are the stops inside words."""
 RESUME_MS = 64
 """Speech that ends a pause: one window may be a click or a breath."""
+HESITATION_MS = 320
+"""A pause inside a turn at least this long, after which the speaker went on, is a hesitation that
+`EndOfTurn.patience_ms` learns from: a voice's own gaps inside a sentence are up to ~260 ms."""
+CUT_OFF_MS = 1000
+"""A turn that opens within this long of the end of the turn before it, which the machine had ended: the
+speaker was not done (a reply ~300 ms after the end is at most ~700 ms old, too soon to be answered), and
+`EndOfTurn.patience_ms` learns the pause they took."""
+PATIENCE_FACTOR = 1.5
+"""After a hesitation of P ms a sure score commits only after `PATIENCE_FACTOR` * P of silence (up to
+`min_silence_ms`): one person's hesitations vary, and waiting out exactly P catches about half."""
+PATIENCE_DECAY = 0.75
+"""What is left of the learned wait after a turn the speaker said without a hesitation."""
 
 
 @dataclass(frozen=True)
@@ -121,16 +134,31 @@ class EndOfTurn:
         """Windows in a row of the kind that would move the phase on (speech in IDLE/PAUSED, else silence)."""
         self._run_start = 0
         self._floor_ms = 0
+        self.patience_ms = 0
+        """Silence a sure score now waits for, where that is longer than `sure_silence_ms`: learned from this
+        speaker's hesitations (a pause of `HESITATION_MS` or more that they went on from, or one that a turn was
+        ended in: `CUT_OFF_MS`), and let go over the turns they say without one."""
+        self._ended_speech_ms: int | None = None
+        """The end of speech of the turn this machine ended last, until the next turn opens."""
+        self._patience_before: tuple[int, bool] | None = None
+        """`patience_ms` and `_is_hesitant` before the open turn changed them: a dropped turn (`reset`) teaches
+        nothing."""
+        self._is_hesitant = False
+        """Whether the open (or last) turn taught `patience_ms` a hesitation."""
 
     @property
     def now_ms(self) -> int:
         return self.num_windows * WINDOW_MS
 
     def reset(self) -> None:
-        """Forget the open turn (`input_audio_buffer.clear`); a later turn never starts before here."""
+        """Forget the open turn (`input_audio_buffer.clear`, speech over a reply dismissed as no turn); a later
+        turn never starts before here."""
+        if self.phase is not Phase.IDLE and self._patience_before is not None:
+            self.patience_ms, self._is_hesitant = self._patience_before
         self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0
         self.token += 1
         self._floor_ms = self.now_ms
+        self._ended_speech_ms = self._patience_before = None
 
     def step(self, probability: float, is_quiet: bool = False) -> list[object]:
         """One window's speech probability (and whether it is quiet); the events it completes."""
@@ -165,11 +193,14 @@ class EndOfTurn:
                     return [OnsetHeard(index * WINDOW_MS)]
                 return [OnsetLost(self.now_ms)] if num_run_before and not self._num_run else []
             onset_ms = self._run_start * WINDOW_MS
+            self._learn_patience(onset_ms)
             self.turn_start_ms = max(self._floor_ms, onset_ms - self.config.prefix_padding_ms)
             self.phase, self._num_run, self.speech_end_ms = Phase.SPEAKING, 0, self.now_ms
             self.num_speech_windows = self.num_start_windows
             return [SpeechStarted(self.turn_start_ms)]
         if self._num_run >= self.num_resume_windows:
+            if (pause_ms := self._run_start * WINDOW_MS - self.speech_end_ms) >= HESITATION_MS:
+                self._learn_pause(pause_ms)
             self.phase, self._num_run, self.speech_end_ms, self.score = Phase.SPEAKING, 0, self.now_ms, None
             self.token += 1
             return [SpeechResumed(self.now_ms)]
@@ -194,7 +225,8 @@ class EndOfTurn:
             # A listener waits a beat longer, not the whole maximum silence, for the speaker to go on.
             is_done = score >= rules.min_complete and silence_ms >= rules.unfinished_silence_ms
         else:
-            is_done = (score >= rules.sure_complete and silence_ms >= rules.sure_silence_ms) or (
+            sure_silence_ms = max(rules.sure_silence_ms, self.patience_ms)
+            is_done = (score >= rules.sure_complete and silence_ms >= sure_silence_ms) or (
                 score >= rules.min_complete and silence_ms >= rules.min_silence_ms)
         if self._num_run:
             # NOTE: a speech window in the pause: the next one says whether the speaker went on (a resumption
@@ -204,6 +236,32 @@ class EndOfTurn:
             event = SpeechStopped(self.now_ms, self.speech_end_ms)
             self.phase, self.turn_start_ms, self.score, self._num_run = Phase.IDLE, None, None, 0
             self.token += 1
-            self._floor_ms = self.now_ms
+            self._floor_ms, self._ended_speech_ms = self.now_ms, self.speech_end_ms
             return [event]
         return []
+
+    def _learn_patience(self, onset_ms: int) -> None:
+        """A turn opens at `onset_ms`: if the one before ended less than `CUT_OFF_MS` before it, its speaker
+        was cut off in a pause (the reply to the cut-off words is the session's barge-in to stop), and the
+        pause is learned as a hesitation; otherwise the learned wait fades if that turn had no hesitation."""
+        ended_ms, self._ended_speech_ms = self._ended_speech_ms, None
+        self._patience_before = self.patience_ms, self._is_hesitant
+        was_hesitant, self._is_hesitant = self._is_hesitant, False
+        if ended_ms is None:
+            return
+        if onset_ms - ended_ms < CUT_OFF_MS:
+            self._learn_pause(onset_ms - ended_ms)
+        elif not was_hesitant:
+            # NOTE: a turn said without a hesitation lets the wait fade; one with another keeps it whole
+            self.patience_ms = int(self.patience_ms * PATIENCE_DECAY)
+
+    def _learn_pause(self, pause_ms: int) -> None:
+        """This speaker paused `pause_ms` and went on: sure scores wait longer from now on.
+
+        Smart Turn hears a voice's sound, and a pause after "a" or "the" that sounds finished scores sure, while
+        the recogniser may hear the word as "it" or "that": the words then miss it too. A listener who has heard
+        a speaker stop mid-sentence, whether they waited it out or answered it, waits longer for that speaker.
+        Only sure scores wait: a middling one already waits `min_silence_ms`, and the wait never goes past it."""
+        learned_ms = int(PATIENCE_FACTOR * pause_ms)
+        self.patience_ms = min(self.rules.min_silence_ms, max(self.patience_ms, learned_ms))
+        self._is_hesitant = True
